@@ -1,0 +1,34 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package agent composes the cells of the mtlsbridge node agent.
+package agent
+
+import (
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/hive/shell"
+	"github.com/cilium/statedb"
+
+	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+	"github.com/mtlsbridge/mtlsbridge/tables/source"
+)
+
+// Infrastructure is what every mtlsbridge hive needs, tests included.
+var Infrastructure = cell.Group(
+	cell.SimpleHealthCell, // health of jobs, shown by the shell's "health" command
+	job.Cell,              // managed goroutines
+	statedb.Cell,          // the in-memory database and its script commands
+)
+
+// Cell is the node agent without its infrastructure.
+var Cell = cell.Group(
+	tables.Cell,     // identity of this node
+	source.Cell,     // Kubernetes or manifest folder into tables
+	enrollment.Cell, // enrollments: who is in, and why
+	api.Cell,        // local API: table dumps, health
+	// The hive shell (all script commands, e.g. db/show) on a socket in the
+	// state folder; cmd sets its path from --state-dir.
+	shell.ServerCell(""),
+)

@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+)
+
+type serverParams struct {
+	cell.In
+
+	Config Config
+	Log    *slog.Logger
+	DB     *statedb.DB
+	Jobs   job.Registry
+	Health cell.Health
+}
+
+// StatedbPrefix is where statedb's HTTP API (/dump, /dump/TABLE, /query,
+// /changes/TABLE) is mounted.
+const StatedbPrefix = "/statedb"
+
+func registerServer(p serverParams) error {
+	if err := os.MkdirAll(p.Config.StateDir, 0o755); err != nil {
+		return fmt.Errorf("--state-dir: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle(StatedbPrefix+"/", http.StripPrefix(StatedbPrefix, p.DB.HTTPHandler()))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		writeHealth(w, p.DB)
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	sock := SocketPath(p.Config.StateDir)
+	p.Jobs.NewGroup(p.Health).Add(job.OneShot("serve", func(ctx context.Context, health cell.Health) error {
+		// A socket left by a previous run would make Listen fail.
+		if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+		l, err := (&net.ListenConfig{}).Listen(ctx, "unix", sock)
+		if err != nil {
+			return fmt.Errorf("listen on %s: %w", sock, err)
+		}
+		// Only root (the agent's user) may talk to the agent.
+		if err := os.Chmod(sock, 0o600); err != nil {
+			l.Close()
+			return err
+		}
+		p.Log.Info("Serving the local API", "socket", sock)
+		health.OK("serving on " + sock)
+		go func() {
+			<-ctx.Done()
+			srv.Close()
+		}()
+		if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
+			return err
+		}
+		return nil
+	}))
+	return nil
+}
+
+// Health is the answer of /healthz.
+type Health struct {
+	// Ready is true once every table has been initialized by its sources
+	// and derivations.
+	Ready bool `json:"ready"`
+	// Pending lists the tables still waiting, with their pending initializers.
+	Pending map[string][]string `json:"pending,omitempty"`
+}
+
+func writeHealth(w http.ResponseWriter, db *statedb.DB) {
+	txn := db.ReadTxn()
+	h := Health{Pending: map[string][]string{}}
+	for _, t := range db.GetTables(txn) {
+		if pending := t.PendingInitializers(txn); len(pending) > 0 {
+			h.Pending[t.Name()] = pending
+		}
+	}
+	h.Ready = len(h.Pending) == 0
+	w.Header().Set("Content-Type", "application/json")
+	if !h.Ready {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}
+	json.NewEncoder(w).Encode(h)
+}

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Builds the kube-apiserver and etcd binaries used by internal/kubetest from
+# the module in hack/kube-apiserver, and prints the folder that holds them.
+#
+# The folder is $MTLSBRIDGE_KUBE_ASSETS, or by default
+# $HOME/.cache/mtlsbridge/kube-<k8s version>-etcd-<etcd version>. A binary
+# that is already there is kept, so a second run only prints the folder. Each
+# binary is built under a temporary name in that folder and then renamed, so
+# an interrupted build never leaves a half-written binary behind.
+#
+# A cold build takes about ten minutes on two cores; later runs take no time.
+set -euo pipefail
+
+# Keep these in step with hack/kube-apiserver/go.mod and with the default
+# folder in internal/kubetest/kubetest.go.
+K8S_VERSION=v1.37.2
+ETCD_VERSION=v3.7.3
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+moddir="${here}/kube-apiserver"
+assets="${MTLSBRIDGE_KUBE_ASSETS:-${HOME}/.cache/mtlsbridge/kube-${K8S_VERSION}-etcd-${ETCD_VERSION}}"
+
+log() { echo "kube-assets: $*" >&2; }
+
+# The wrapper module stands alone: never let a go.work above it take over.
+export GOWORK=off
+# Static binaries, as the upstream releases are; no C toolchain needed.
+export CGO_ENABLED=0
+
+cd "${moddir}"
+
+# Refuse to fill a folder named for one version with binaries of another.
+got_k8s="$(go list -m -f '{{.Version}}' k8s.io/kubernetes)"
+got_etcd="$(go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)"
+if [[ "${got_k8s}" != "${K8S_VERSION}" || "${got_etcd}" != "${ETCD_VERSION}" ]]; then
+	log "hack/kube-apiserver/go.mod has kubernetes ${got_k8s} and etcd ${got_etcd}," \
+		"but this script expects ${K8S_VERSION} and ${ETCD_VERSION}; update both together"
+	exit 1
+fi
+
+minor="${K8S_VERSION#v}"
+minor="${minor#*.}"
+minor="${minor%%.*}"
+major="${K8S_VERSION#v}"
+major="${major%%.*}"
+# Without these the apiserver reports its version as v0.0.0.
+k8s_ldflags="-X k8s.io/component-base/version.gitVersion=${K8S_VERSION}"
+k8s_ldflags+=" -X k8s.io/component-base/version.gitMajor=${major}"
+k8s_ldflags+=" -X k8s.io/component-base/version.gitMinor=${minor}"
+k8s_ldflags+=" -X k8s.io/component-base/version.gitTreeState=clean"
+
+mkdir -p "${assets}"
+
+# build NAME PACKAGE LDFLAGS
+build() {
+	local name="$1" pkg="$2" ldflags="$3"
+	local dest="${assets}/${name}"
+	if [[ -x "${dest}" ]]; then
+		return 0
+	fi
+	local tmp="${assets}/.${name}.tmp.$$"
+	trap 'rm -f "${tmp}"' EXIT
+	log "building ${name} (${pkg}) into ${assets}; this takes several minutes"
+	local start=${SECONDS}
+	# -mod=readonly: go.sum is complete, so a clean module cache only downloads.
+	go build -mod=readonly -trimpath -ldflags "${ldflags}" -o "${tmp}" "${pkg}"
+	mv -f "${tmp}" "${dest}"
+	trap - EXIT
+	log "built ${name} in $((SECONDS - start))s"
+}
+
+build etcd go.etcd.io/etcd/server/v3 ""
+build kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "${k8s_ldflags}"
+
+echo "${assets}"

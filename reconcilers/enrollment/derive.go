@@ -1,0 +1,218 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package enrollment
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+type derivationParams struct {
+	cell.In
+
+	Config      Config
+	Log         *slog.Logger
+	DB          *statedb.DB
+	Jobs        job.Registry
+	Health      cell.Health
+	Pods        statedb.Table[*tables.Pod]
+	Namespaces  statedb.Table[*tables.Namespace]
+	Policies    statedb.Table[*tables.Policy]
+	Endpoints   statedb.Table[*tables.Endpoint]
+	Enrollments statedb.RWTable[*Enrollment]
+}
+
+// derivation keeps the enrollments table equal to decide() applied to every
+// pod. It follows the change iterators of its inputs and recomputes only the
+// pods a change can affect.
+type derivation struct {
+	derivationParams
+
+	pods, namespaces, policies, endpoints interface {
+		// next drains the unread changes into the dirty set.
+		next(d *derivation, txn statedb.ReadTxn, dirty map[string]struct{}) <-chan struct{}
+	}
+	initDone func(statedb.WriteTxn)
+}
+
+// changes wraps a change iterator with what a change of its table makes dirty.
+type changes[T any] struct {
+	iter    statedb.ChangeIterator[T]
+	touches func(d *derivation, txn statedb.ReadTxn, c statedb.Change[T], dirty map[string]struct{})
+}
+
+func (c changes[T]) next(d *derivation, txn statedb.ReadTxn, dirty map[string]struct{}) <-chan struct{} {
+	seq, watch := c.iter.Next(txn)
+	for change := range seq {
+		c.touches(d, txn, change, dirty)
+	}
+	return watch
+}
+
+func newDerivation(p derivationParams) (*derivation, error) {
+	d := &derivation{derivationParams: p}
+	wtxn := p.DB.WriteTxn(p.Pods, p.Namespaces, p.Policies, p.Endpoints, p.Enrollments)
+	defer wtxn.Abort()
+	var err error
+	if d.pods, err = newChanges(wtxn, p.Pods, podTouches); err != nil {
+		return nil, err
+	}
+	if d.namespaces, err = newChanges(wtxn, p.Namespaces, namespaceTouches); err != nil {
+		return nil, err
+	}
+	if d.policies, err = newChanges(wtxn, p.Policies, policyTouches); err != nil {
+		return nil, err
+	}
+	if d.endpoints, err = newChanges(wtxn, p.Endpoints, endpointTouches); err != nil {
+		return nil, err
+	}
+	d.initDone = p.Enrollments.RegisterInitializer(wtxn, "enrollment")
+	wtxn.Commit()
+	return d, nil
+}
+
+func newChanges[T any](txn statedb.WriteTxn, tbl statedb.Table[T],
+	touches func(*derivation, statedb.ReadTxn, statedb.Change[T], map[string]struct{})) (changes[T], error) {
+	it, err := tbl.Changes(txn)
+	if err != nil {
+		return changes[T]{}, fmt.Errorf("follow %s: %w", tbl.Name(), err)
+	}
+	return changes[T]{iter: it, touches: touches}, nil
+}
+
+// A pod change affects that pod.
+func podTouches(_ *derivation, _ statedb.ReadTxn, c statedb.Change[*tables.Pod], dirty map[string]struct{}) {
+	dirty[c.Object.Key()] = struct{}{}
+}
+
+// An endpoint change affects the pod of the same name (its Cilium identity).
+func endpointTouches(_ *derivation, _ statedb.ReadTxn, c statedb.Change[*tables.Endpoint], dirty map[string]struct{}) {
+	dirty[c.Object.Key()] = struct{}{}
+}
+
+// A namespace change affects every pod in it (namespace label, namespace
+// labels in selectors).
+func namespaceTouches(d *derivation, txn statedb.ReadTxn, c statedb.Change[*tables.Namespace], dirty map[string]struct{}) {
+	for pod := range d.Pods.List(txn, tables.PodsByNamespace(c.Object.Name)) {
+		dirty[pod.Key()] = struct{}{}
+	}
+}
+
+// A policy change affects the pods it enrolled before (found through the
+// enrollments it is named in) and the pods it selects now. A pod it selected
+// before but did not enroll was enrolled by a rule that still holds.
+func policyTouches(d *derivation, txn statedb.ReadTxn, c statedb.Change[*tables.Policy], dirty map[string]struct{}) {
+	p := c.Object
+	for e := range d.Enrollments.List(txn, ByPolicy(p.Key())) {
+		dirty[e.Key()] = struct{}{}
+	}
+	if c.Deleted || !p.RequiresAuthentication() {
+		return
+	}
+	visit := func(pod *tables.Pod) {
+		if _, seen := dirty[pod.Key()]; !seen && p.Selects(pod, namespaceOf(d, txn, pod)) {
+			dirty[pod.Key()] = struct{}{}
+		}
+	}
+	for _, sel := range p.Selectors {
+		switch anchor := sel.Anchor(); {
+		case anchor != tables.MatchAll:
+			for pod := range d.Pods.List(txn, tables.PodsByLabel(anchor)) {
+				visit(pod)
+			}
+		case p.Kind == tables.KindCNP:
+			for pod := range d.Pods.List(txn, tables.PodsByNamespace(p.Namespace)) {
+				visit(pod)
+			}
+		default:
+			for pod := range d.Pods.All(txn) {
+				visit(pod)
+			}
+		}
+	}
+}
+
+func namespaceOf(d *derivation, txn statedb.ReadTxn, pod *tables.Pod) *tables.Namespace {
+	ns, _, _ := d.Namespaces.Get(txn, tables.NamespaceByName(pod.Namespace))
+	return ns
+}
+
+func (d *derivation) run(ctx context.Context, health cell.Health) error {
+	inputsInitialized := func(txn statedb.ReadTxn) (bool, []<-chan struct{}) {
+		var waits []<-chan struct{}
+		for _, t := range []statedb.TableMeta{d.Pods, d.Namespaces, d.Policies, d.Endpoints} {
+			if ok, w := t.Initialized(txn); !ok {
+				waits = append(waits, w)
+			}
+		}
+		return len(waits) == 0, waits
+	}
+
+	ws := statedb.NewWatchSet()
+	for {
+		txn := d.DB.ReadTxn()
+		dirty := map[string]struct{}{}
+		ws.Clear()
+		ws.Add(
+			d.pods.next(d, txn, dirty),
+			d.namespaces.next(d, txn, dirty),
+			d.policies.next(d, txn, dirty),
+			d.endpoints.next(d, txn, dirty),
+		)
+		if len(dirty) > 0 {
+			d.update(dirty)
+		}
+		if d.initDone != nil {
+			if ok, waits := inputsInitialized(txn); ok {
+				wtxn := d.DB.WriteTxn(d.Enrollments)
+				d.initDone(wtxn)
+				wtxn.Commit()
+				d.initDone = nil
+			} else {
+				ws.Add(waits...)
+			}
+		}
+		health.OK(fmt.Sprintf("%d pods", d.Enrollments.NumObjects(txn)))
+
+		if _, err := ws.Wait(ctx, 0); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+	}
+}
+
+// update recomputes the dirty pods in one transaction. Rows that come out
+// equal are not rewritten, so that readers of the enrollments' changes see
+// only real changes.
+func (d *derivation) update(dirty map[string]struct{}) {
+	start := time.Now()
+	wtxn := d.DB.WriteTxn(d.Enrollments)
+	in := inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, endpoints: d.Endpoints}
+	changed := 0
+	for key := range dirty {
+		old, _, hadOld := d.Enrollments.Get(wtxn, ByKey(key))
+		pod, _, found := d.Pods.Get(wtxn, tables.PodByKey(key))
+		switch {
+		case !found && hadOld:
+			d.Enrollments.Delete(wtxn, old)
+			changed++
+		case found:
+			if e := decide(d.Config, in, pod); !hadOld || *e != *old {
+				d.Enrollments.Insert(wtxn, e)
+				changed++
+			}
+		}
+	}
+	wtxn.Commit()
+	d.Log.Debug("Enrollments updated", "considered", len(dirty), "changed", changed, "duration", time.Since(start))
+}

@@ -1,0 +1,114 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package enrollment
+
+import (
+	"github.com/cilium/statedb"
+
+	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// Labels and values that drive enrollment (CFP-32759 and Cilium's ztunnel mode).
+const (
+	RedirTypeLabel    = "cilium.io/redir-type"
+	RedirTypeWorkload = "workload" // enrolls the pod
+	RedirTypeNone     = "none"     // opts the pod out
+	RedirTypeProxy    = "proxy"    // marks the node's mTLS agent
+
+	NamespaceEnabledLabel = "io.cilium/mtls-enabled"
+)
+
+// Reasons shown in the enrollments table, by precedence.
+const (
+	ReasonHostNetwork       = "excluded:host-network"
+	ReasonFinished          = "excluded:finished"
+	ReasonNoIP              = "excluded:no-ip"
+	ReasonMTLSAgent         = "excluded:mtls-agent"
+	ReasonExcludedNamespace = "excluded:namespace"
+	ReasonOptOut            = "opt-out-label"
+	ReasonWorkloadLabel     = "label:" + RedirTypeLabel + "=" + RedirTypeWorkload
+	ReasonPolicyPrefix      = "policy:"
+	ReasonNamespaceLabel    = "namespace-label"
+	ReasonNotSelected       = "not-selected"
+)
+
+// inputs are the rows a decision reads, all from one snapshot.
+type inputs struct {
+	txn        statedb.ReadTxn
+	namespaces statedb.Table[*tables.Namespace]
+	policies   statedb.Table[*tables.Policy]
+	endpoints  statedb.Table[*tables.Endpoint]
+}
+
+// decide applies the enrollment rules of design.md to one pod. The first
+// rule that matches decides:
+//  1. never: host network, finished, no IP, the mTLS agent, excluded namespace;
+//  2. the pod label cilium.io/redir-type: "none" opts out, "workload" enrolls;
+//  3. a CNP/CCNP rule with authentication.mode required selecting the pod
+//     (the policy with the smallest key is named);
+//  4. the namespace label io.cilium/mtls-enabled=true.
+func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
+	e := &Enrollment{
+		Namespace: pod.Namespace,
+		Pod:       pod.Name,
+		UID:       pod.UID,
+		Node:      pod.NodeName,
+		MTLSAgent: pod.Labels[RedirTypeLabel] == RedirTypeProxy,
+	}
+	ns, _, _ := in.namespaces.Get(in.txn, tables.NamespaceByName(pod.Namespace))
+
+	switch {
+	case pod.HostNetwork:
+		e.Reason = ReasonHostNetwork
+	case pod.Finished():
+		e.Reason = ReasonFinished
+	case e.MTLSAgent:
+		e.Reason = ReasonMTLSAgent
+	case cfg.excluded(pod.Namespace):
+		e.Reason = ReasonExcludedNamespace
+	case len(pod.IPs) == 0:
+		e.Reason = ReasonNoIP
+	case pod.Labels[RedirTypeLabel] == RedirTypeNone:
+		e.Reason = ReasonOptOut
+	case pod.Labels[RedirTypeLabel] == RedirTypeWorkload:
+		e.Enrolled, e.Reason = true, ReasonWorkloadLabel
+	default:
+		if p := selectingPolicy(in, pod, ns); p != "" {
+			e.Enrolled, e.Reason, e.Policy = true, ReasonPolicyPrefix+p, p
+		} else if ns != nil && ns.Labels[NamespaceEnabledLabel] == "true" {
+			e.Enrolled, e.Reason = true, ReasonNamespaceLabel
+		} else {
+			e.Reason = ReasonNotSelected
+		}
+	}
+
+	if e.Enrolled {
+		e.SpiffeID = identity.WorkloadID(cfg.TrustDomain, pod.Namespace, pod.ServiceAccountOrDefault())
+		if ep, _, found := in.endpoints.Get(in.txn, tables.EndpointByKey(pod.Key())); found && ep.Identity != 0 {
+			e.IdentitySpiffeID = identity.CiliumIdentityID(cfg.TrustDomain, ep.Identity)
+		}
+	}
+	return e
+}
+
+// selectingPolicy returns the smallest key of the policies that require
+// authentication and select the pod, or "". Candidates come from the anchor
+// index: policies of the pod's namespace, policies anchored on one of its
+// labels, and policies that may select any pod.
+func selectingPolicy(in inputs, pod *tables.Pod, ns *tables.Namespace) string {
+	best := ""
+	consider := func(anchor string) {
+		for p := range in.policies.List(in.txn, tables.PoliciesByAnchor(anchor)) {
+			if key := p.Key(); (best == "" || key < best) && p.Selects(pod, ns) {
+				best = key
+			}
+		}
+	}
+	consider(tables.LabelKey(tables.NamespaceLabel, pod.Namespace))
+	consider(tables.MatchAll)
+	for k, v := range pod.Labels {
+		consider(tables.LabelKey(k, v))
+	}
+	return best
+}

@@ -1,0 +1,91 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package enrollment
+
+import (
+	"strconv"
+
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/index"
+)
+
+// TableName is the name of the enrollments table.
+const TableName = "enrollments"
+
+// Enrollment is the decision for one pod: whether its traffic goes through
+// the mTLS agent, and the rule that decided.
+type Enrollment struct {
+	Namespace string `json:"namespace"`
+	Pod       string `json:"pod"`
+	UID       string `json:"uid,omitempty"`
+	Node      string `json:"node"`
+	Enrolled  bool   `json:"enrolled"`
+	// Reason names the rule that decided, e.g. "label:cilium.io/redir-type=workload",
+	// "policy:cnp/NS/NAME", "namespace-label", "excluded:host-network".
+	Reason string `json:"reason"`
+	// Policy is the key of the policy that enrolled the pod, if one did.
+	Policy string `json:"policy,omitempty"`
+	// SpiffeID and IdentitySpiffeID are the identities an enrolled pod may
+	// hold (the second once Cilium has allocated a security identity).
+	SpiffeID         string `json:"spiffeID,omitempty"`
+	IdentitySpiffeID string `json:"identitySpiffeID,omitempty"`
+	// MTLSAgent is true for the mTLS agent pod of its node.
+	MTLSAgent bool `json:"mtlsAgent"`
+}
+
+// Key is the primary key, "namespace/pod".
+func (e *Enrollment) Key() string { return e.Namespace + "/" + e.Pod }
+
+func (e *Enrollment) TableHeader() []string {
+	return []string{"Pod", "Node", "Enrolled", "Reason", "SpiffeID", "IdentitySpiffeID", "MTLSAgent"}
+}
+
+func (e *Enrollment) TableRow() []string {
+	dash := func(s string) string {
+		if s == "" {
+			return "-"
+		}
+		return s
+	}
+	return []string{e.Key(), dash(e.Node), strconv.FormatBool(e.Enrolled), e.Reason,
+		dash(e.SpiffeID), dash(e.IdentitySpiffeID), strconv.FormatBool(e.MTLSAgent)}
+}
+
+var (
+	keyIndex = statedb.Index[*Enrollment, string]{
+		Name:       "name",
+		FromObject: func(e *Enrollment) index.KeySet { return index.NewKeySet(index.String(e.Key())) },
+		FromKey:    index.String,
+		FromString: index.FromString,
+		Unique:     true,
+	}
+	nodeIndex = statedb.Index[*Enrollment, string]{
+		Name:       "node",
+		FromObject: func(e *Enrollment) index.KeySet { return index.NewKeySet(index.String(e.Node)) },
+		FromKey:    index.String,
+		FromString: index.FromString,
+	}
+	policyIndex = statedb.Index[*Enrollment, string]{
+		Name: "policy",
+		FromObject: func(e *Enrollment) index.KeySet {
+			if e.Policy == "" {
+				return index.KeySet{}
+			}
+			return index.NewKeySet(index.String(e.Policy))
+		},
+		FromKey:    index.String,
+		FromString: index.FromString,
+	}
+
+	// ByKey queries the enrollment of the pod "namespace/name".
+	ByKey = keyIndex.Query
+	// ByNode queries the enrollments of a node's pods.
+	ByNode = nodeIndex.Query
+	// ByPolicy queries the pods a policy enrolled (by tables.Policy.Key()).
+	ByPolicy = policyIndex.Query
+)
+
+// NewTable creates the enrollments table.
+func NewTable(db *statedb.DB) (statedb.RWTable[*Enrollment], error) {
+	return statedb.NewTable(db, TableName, keyIndex, nodeIndex, policyIndex)
+}

@@ -1,0 +1,108 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package tables
+
+import (
+	"net/netip"
+	"strconv"
+	"strings"
+
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/index"
+)
+
+// PodsTableName is the name of the table of pods (all nodes).
+const PodsTableName = "pods"
+
+// NamespaceLabel is the pseudo label Cilium selectors use for a pod's
+// namespace. Every pod carries it in the label index.
+const NamespaceLabel = "io.kubernetes.pod.namespace"
+
+// Pod is the part of a Kubernetes Pod that mtlsbridge needs.
+type Pod struct {
+	Namespace      string       `json:"namespace"`
+	Name           string       `json:"name"`
+	UID            string       `json:"uid"`
+	NodeName       string       `json:"nodeName,omitempty"`
+	ServiceAccount string       `json:"serviceAccount,omitempty"`
+	Labels         Labels       `json:"labels,omitempty"`
+	HostNetwork    bool         `json:"hostNetwork,omitempty"`
+	Phase          string       `json:"phase,omitempty"`
+	IPs            []netip.Addr `json:"ips,omitempty"`
+}
+
+// Key is the primary key: "namespace/name".
+func (p *Pod) Key() string { return p.Namespace + "/" + p.Name }
+
+// Finished reports whether the pod has terminated for good.
+func (p *Pod) Finished() bool { return p.Phase == "Succeeded" || p.Phase == "Failed" }
+
+// ServiceAccountOrDefault is the service account Kubernetes applies when none is set.
+func (p *Pod) ServiceAccountOrDefault() string {
+	if p.ServiceAccount == "" {
+		return "default"
+	}
+	return p.ServiceAccount
+}
+
+func (p *Pod) TableHeader() []string {
+	return []string{"Name", "Node", "ServiceAccount", "IPs", "Phase", "HostNetwork", "Labels"}
+}
+
+func (p *Pod) TableRow() []string {
+	ips := make([]string, len(p.IPs))
+	for i, ip := range p.IPs {
+		ips[i] = ip.String()
+	}
+	return []string{
+		p.Key(), orDash(p.NodeName), p.ServiceAccountOrDefault(), orDash(strings.Join(ips, ",")),
+		orDash(p.Phase), strconv.FormatBool(p.HostNetwork), orDash(p.Labels.String()),
+	}
+}
+
+var (
+	podKeyIndex = statedb.Index[*Pod, string]{
+		Name:       "name",
+		FromObject: func(p *Pod) index.KeySet { return index.NewKeySet(index.String(p.Key())) },
+		FromKey:    index.String,
+		FromString: index.FromString,
+		Unique:     true,
+	}
+	podNamespaceIndex = statedb.Index[*Pod, string]{
+		Name:       "namespace",
+		FromObject: func(p *Pod) index.KeySet { return index.NewKeySet(index.String(p.Namespace)) },
+		FromKey:    index.String,
+		FromString: index.FromString,
+	}
+	podNodeIndex = statedb.Index[*Pod, string]{
+		Name:       "node",
+		FromObject: func(p *Pod) index.KeySet { return index.NewKeySet(index.String(p.NodeName)) },
+		FromKey:    index.String,
+		FromString: index.FromString,
+	}
+	// podLabelIndex holds "key=value" for every label plus the namespace
+	// pseudo label, so that a policy selector finds its candidates without a
+	// scan of every pod.
+	podLabelIndex = statedb.Index[*Pod, string]{
+		Name: "label",
+		FromObject: func(p *Pod) index.KeySet {
+			return index.StringSlice(append(p.Labels.keys(), LabelKey(NamespaceLabel, p.Namespace)))
+		},
+		FromKey:    index.String,
+		FromString: index.FromString,
+	}
+
+	// PodByKey queries a pod by "namespace/name".
+	PodByKey = podKeyIndex.Query
+	// PodsByNamespace queries the pods of a namespace.
+	PodsByNamespace = podNamespaceIndex.Query
+	// PodsByNode queries the pods scheduled to a node.
+	PodsByNode = podNodeIndex.Query
+	// PodsByLabel queries the pods carrying a label, given as LabelKey(k, v).
+	PodsByLabel = podLabelIndex.Query
+)
+
+// NewPodsTable creates the pods table.
+func NewPodsTable(db *statedb.DB) (statedb.RWTable[*Pod], error) {
+	return statedb.NewTable(db, PodsTableName, podKeyIndex, podNamespaceIndex, podNodeIndex, podLabelIndex)
+}

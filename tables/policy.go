@@ -1,0 +1,193 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package tables
+
+import (
+	"strconv"
+	"strings"
+
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/index"
+	"k8s.io/apimachinery/pkg/labels"
+)
+
+// PoliciesTableName is the name of the table of Cilium network policies.
+const PoliciesTableName = "policies"
+
+// PolicyKind tells a namespaced policy from a cluster-wide one.
+type PolicyKind string
+
+const (
+	// KindCNP is a CiliumNetworkPolicy: it selects pods of its own namespace only.
+	KindCNP PolicyKind = "cnp"
+	// KindCCNP is a CiliumClusterwideNetworkPolicy.
+	KindCCNP PolicyKind = "ccnp"
+)
+
+// Policy is what mtlsbridge keeps of a CiliumNetworkPolicy or
+// CiliumClusterwideNetworkPolicy: whether any of its rules requires
+// authentication, and which pods those rules apply to.
+type Policy struct {
+	Kind      PolicyKind `json:"kind"`
+	Namespace string     `json:"namespace,omitempty"`
+	Name      string     `json:"name"`
+
+	// Selectors are the endpointSelectors of the rules (spec or specs[]) that
+	// have authentication.mode "required". Empty when the policy enrolls nothing.
+	Selectors []EndpointSelector `json:"selectors,omitempty"`
+
+	// Error is why the policy could not be understood. A policy with an
+	// error enrolls nothing, as Cilium rejects it.
+	Error string `json:"error,omitempty"`
+}
+
+// Key is the primary key: "cnp/NAMESPACE/NAME" or "ccnp/NAME". Enrollment
+// reasons name policies by it.
+func (p *Policy) Key() string { return PolicyKey(p.Kind, p.Namespace, p.Name) }
+
+// PolicyKey builds the key of a policy.
+func PolicyKey(kind PolicyKind, namespace, name string) string {
+	if kind == KindCCNP {
+		return string(kind) + "/" + name
+	}
+	return string(kind) + "/" + namespace + "/" + name
+}
+
+// RequiresAuthentication reports whether the policy enrolls the pods it selects.
+func (p *Policy) RequiresAuthentication() bool { return p.Error == "" && len(p.Selectors) > 0 }
+
+// Selects reports whether one of the authenticating rules selects the pod.
+// A CiliumNetworkPolicy only selects pods in its own namespace.
+func (p *Policy) Selects(pod *Pod, ns *Namespace) bool {
+	if !p.RequiresAuthentication() || (p.Kind == KindCNP && pod.Namespace != p.Namespace) {
+		return false
+	}
+	view := podLabelView{pod: pod, ns: ns}
+	for _, s := range p.Selectors {
+		if s.selector.Matches(view) {
+			return true
+		}
+	}
+	return false
+}
+
+// anchors are the keys under which the policy is found from a pod: the
+// pod's namespace for a CNP, and for a CCNP one label each selector
+// requires (or matchAll when it requires none).
+func (p *Policy) anchors() []string {
+	if p.Kind == KindCNP {
+		return []string{LabelKey(NamespaceLabel, p.Namespace)}
+	}
+	out := make([]string, 0, len(p.Selectors))
+	for _, s := range p.Selectors {
+		out = append(out, s.Anchor())
+	}
+	return out
+}
+
+func (p *Policy) TableHeader() []string {
+	return []string{"Name", "Authentication", "Selectors", "Error"}
+}
+
+func (p *Policy) TableRow() []string {
+	auth := "-"
+	if p.RequiresAuthentication() {
+		auth = "required"
+	}
+	sels := make([]string, len(p.Selectors))
+	for i, s := range p.Selectors {
+		sels[i] = strconv.Quote(s.Text)
+	}
+	return []string{p.Key(), auth, orDash(strings.Join(sels, " ")), orDash(p.Error)}
+}
+
+// EndpointSelector is a parsed Cilium endpointSelector.
+type EndpointSelector struct {
+	// Text is the selector in Kubernetes label selector syntax, Cilium's
+	// source prefixes removed ("" selects every pod).
+	Text string `json:"text"`
+
+	selector labels.Selector
+	// anchor is one "key=value" the selector requires, or "" when it
+	// requires none (then every pod is a candidate).
+	anchor string
+}
+
+// Anchor is the label (LabelKey form) every selected pod carries, or
+// MatchAll when there is none.
+func (s EndpointSelector) Anchor() string {
+	if s.anchor == "" {
+		return MatchAll
+	}
+	return s.anchor
+}
+
+// MatchAll is the anchor of selectors that do not require a specific label.
+const MatchAll = "*"
+
+// podLabelView presents a pod to a label selector the way Cilium does: its
+// own labels plus the pseudo labels for namespace, service account and
+// namespace labels.
+type podLabelView struct {
+	pod *Pod
+	ns  *Namespace
+}
+
+const (
+	serviceAccountLabel   = "io.kubernetes.pod.serviceaccount"
+	namespaceLabelsPrefix = "io.cilium.k8s.namespace.labels."
+)
+
+func (v podLabelView) Lookup(key string) (string, bool) {
+	switch {
+	case key == NamespaceLabel:
+		return v.pod.Namespace, true
+	case key == serviceAccountLabel:
+		return v.pod.ServiceAccountOrDefault(), true
+	case strings.HasPrefix(key, namespaceLabelsPrefix):
+		if v.ns == nil {
+			return "", false
+		}
+		val, ok := v.ns.Labels[strings.TrimPrefix(key, namespaceLabelsPrefix)]
+		return val, ok
+	}
+	val, ok := v.pod.Labels[key]
+	return val, ok
+}
+
+func (v podLabelView) Has(key string) bool {
+	_, ok := v.Lookup(key)
+	return ok
+}
+
+func (v podLabelView) Get(key string) string {
+	val, _ := v.Lookup(key)
+	return val
+}
+
+var (
+	policyKeyIndex = statedb.Index[*Policy, string]{
+		Name:       "name",
+		FromObject: func(p *Policy) index.KeySet { return index.NewKeySet(index.String(p.Key())) },
+		FromKey:    index.String,
+		FromString: index.FromString,
+		Unique:     true,
+	}
+	policyAnchorIndex = statedb.Index[*Policy, string]{
+		Name:       "anchor",
+		FromObject: func(p *Policy) index.KeySet { return index.StringSlice(p.anchors()) },
+		FromKey:    index.String,
+		FromString: index.FromString,
+	}
+
+	// PolicyByKey queries a policy by its key (see PolicyKey).
+	PolicyByKey = policyKeyIndex.Query
+	// PoliciesByAnchor queries the policies that may select pods carrying the
+	// label LabelKey(k, v), or every pod (MatchAll).
+	PoliciesByAnchor = policyAnchorIndex.Query
+)
+
+// NewPoliciesTable creates the policies table.
+func NewPoliciesTable(db *statedb.DB) (statedb.RWTable[*Policy], error) {
+	return statedb.NewTable(db, PoliciesTableName, policyKeyIndex, policyAnchorIndex)
+}

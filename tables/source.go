@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package tables
+
+import (
+	"strconv"
+
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/index"
+)
+
+// SourcesTableName is the name of the table of object sources.
+const SourcesTableName = "sources"
+
+// Source is one origin of objects: a Kubernetes watch ("k8s/pods") or one
+// file of the manifest folder ("file:pods.yaml"). It tells an operator where
+// objects came from and what was wrong with them.
+type Source struct {
+	Name string `json:"name"`
+	// Objects is how many objects the source holds right now.
+	Objects int `json:"objects"`
+	// Synced is true once the source has delivered its first full listing.
+	Synced bool `json:"synced"`
+	// Error is the last problem with the source or one of its objects, ""
+	// when there is none.
+	Error string `json:"error,omitempty"`
+
+	// Decoded are the objects a manifest file provided, kept so that a file
+	// that stops parsing keeps its last good objects. Not shown.
+	Decoded []any `json:"-"`
+	// Digest identifies the file content Decoded came from. Not shown.
+	Digest string `json:"-"`
+}
+
+func (s *Source) TableHeader() []string { return []string{"Name", "Objects", "Synced", "Error"} }
+
+func (s *Source) TableRow() []string {
+	return []string{s.Name, strconv.Itoa(s.Objects), strconv.FormatBool(s.Synced), orDash(s.Error)}
+}
+
+var (
+	sourceNameIndex = statedb.Index[*Source, string]{
+		Name:       "name",
+		FromObject: func(s *Source) index.KeySet { return index.NewKeySet(index.String(s.Name)) },
+		FromKey:    index.String,
+		FromString: index.FromString,
+		Unique:     true,
+	}
+
+	// SourceByName queries a source by its name.
+	SourceByName = sourceNameIndex.Query
+)
+
+// NewSourcesTable creates the sources table.
+func NewSourcesTable(db *statedb.DB) (statedb.RWTable[*Source], error) {
+	return statedb.NewTable(db, SourcesTableName, sourceNameIndex)
+}

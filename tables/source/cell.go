@@ -1,0 +1,185 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package source fills the tables of package tables from the Kubernetes API
+// or from a folder of YAML manifests, and is their only writer.
+package source
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// Cell provides the tables of package tables, read-only, and fills them.
+var Cell = cell.Module(
+	"sources",
+	"Kubernetes objects or YAML manifests into tables",
+
+	cell.Config(defaultConfig),
+	// The writable tables stay private: the sources are their only writers.
+	cell.ProvidePrivate(newWriteTables),
+	// Everyone else reads them.
+	cell.Provide(
+		func(w *writeTables) statedb.Table[*tables.Pod] { return w.Pods },
+		func(w *writeTables) statedb.Table[*tables.Namespace] { return w.Namespaces },
+		func(w *writeTables) statedb.Table[*tables.Policy] { return w.Policies },
+		func(w *writeTables) statedb.Table[*tables.Endpoint] { return w.Endpoints },
+		func(w *writeTables) statedb.Table[*tables.Node] { return w.Nodes },
+		func(w *writeTables) statedb.Table[*tables.Source] { return w.Sources },
+	),
+	// Kubernetes clients, nil in folder mode; later components use them too.
+	cell.Provide(newClients),
+	cell.Invoke(startSources),
+)
+
+// Config selects where objects come from.
+type Config struct {
+	// Source is "k8s" (the Kubernetes API) or "dir:PATH" (a folder of YAML
+	// manifests, followed while running).
+	Source string
+	// Kubeconfig is the kubeconfig file for "k8s"; empty means in-cluster,
+	// else $KUBECONFIG.
+	Kubeconfig string
+}
+
+var defaultConfig = Config{Source: "k8s"}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(flags *pflag.FlagSet) {
+	flags.String("source", def.Source, `Where objects come from: "k8s" (the Kubernetes API) or "dir:PATH" (a folder of YAML manifests)`)
+	flags.String("kubeconfig", def.Kubeconfig, "kubeconfig file for --source=k8s (default: in-cluster, else $KUBECONFIG)")
+}
+
+// dir returns the manifest folder, or "" in Kubernetes mode.
+func (c Config) dir() (string, error) {
+	switch {
+	case c.Source == "k8s":
+		return "", nil
+	case strings.HasPrefix(c.Source, "dir:"):
+		dir := strings.TrimPrefix(c.Source, "dir:")
+		if dir == "" {
+			return "", fmt.Errorf("--source=dir: needs a folder, e.g. --source=dir:/etc/mtlsbridge/manifests")
+		}
+		info, err := os.Stat(dir)
+		if err != nil {
+			return "", fmt.Errorf("--source=%s: %w", c.Source, err)
+		}
+		if !info.IsDir() {
+			return "", fmt.Errorf("--source=%s: not a folder", c.Source)
+		}
+		return dir, nil
+	}
+	return "", fmt.Errorf(`--source=%q: want "k8s" or "dir:PATH"`, c.Source)
+}
+
+// Clients talk to the Kubernetes API.
+type Clients struct {
+	Kube    kubernetes.Interface
+	Dynamic dynamic.Interface
+	Config  *rest.Config
+}
+
+func newClients(cfg Config) (*Clients, error) {
+	if _, err := cfg.dir(); err != nil || cfg.Source != "k8s" {
+		return nil, err
+	}
+	restCfg, err := restConfig(cfg.Kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client configuration: %w", err)
+	}
+	return NewClients(restCfg)
+}
+
+// NewClients builds the clients for a REST configuration.
+func NewClients(restCfg *rest.Config) (*Clients, error) {
+	kube, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		return nil, err
+	}
+	dyn, err := dynamic.NewForConfig(restCfg)
+	if err != nil {
+		return nil, err
+	}
+	return &Clients{Kube: kube, Dynamic: dyn, Config: restCfg}, nil
+}
+
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig == "" {
+		if cfg, err := rest.InClusterConfig(); err == nil {
+			return cfg, nil
+		}
+		kubeconfig = os.Getenv("KUBECONFIG")
+		if kubeconfig == "" {
+			return nil, fmt.Errorf("not running in a cluster and neither --kubeconfig nor $KUBECONFIG is set")
+		}
+	}
+	return clientcmd.BuildConfigFromFlags("", kubeconfig)
+}
+
+func newWriteTables(db *statedb.DB) (*writeTables, error) {
+	w := &writeTables{DB: db}
+	var err error
+	if w.Pods, err = tables.NewPodsTable(db); err != nil {
+		return nil, err
+	}
+	if w.Namespaces, err = tables.NewNamespacesTable(db); err != nil {
+		return nil, err
+	}
+	if w.Policies, err = tables.NewPoliciesTable(db); err != nil {
+		return nil, err
+	}
+	if w.Endpoints, err = tables.NewEndpointsTable(db); err != nil {
+		return nil, err
+	}
+	if w.Nodes, err = tables.NewNodesTable(db); err != nil {
+		return nil, err
+	}
+	w.Sources, err = tables.NewSourcesTable(db)
+	return w, err
+}
+
+type sourceParams struct {
+	cell.In
+
+	Config  Config
+	Log     *slog.Logger
+	Jobs    job.Registry
+	Health  cell.Health
+	Tables  *writeTables
+	Clients *Clients
+}
+
+func startSources(p sourceParams) error {
+	dir, err := p.Config.dir()
+	if err != nil {
+		return err
+	}
+	jobs := p.Jobs.NewGroup(p.Health)
+	if dir == "" {
+		jobs.Add(k8sJobs(p.Log, p.Clients, p.Tables)...)
+		return nil
+	}
+	d := &dirSource{dir: dir, log: p.Log, tables: p.Tables, settle: 50 * time.Millisecond}
+	txn := p.Tables.DB.WriteTxn(p.Tables.all()...)
+	for _, t := range []interface {
+		RegisterInitializer(statedb.WriteTxn, string) func(statedb.WriteTxn)
+	}{p.Tables.Pods, p.Tables.Namespaces, p.Tables.Policies, p.Tables.Endpoints, p.Tables.Nodes} {
+		d.initDone = append(d.initDone, t.RegisterInitializer(txn, "manifests"))
+	}
+	txn.Commit()
+	jobs.Add(job.OneShot("manifest-folder", d.run))
+	return nil
+}

@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package source
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// The object kinds mtlsbridge reads.
+var (
+	podGVK       = corev1.SchemeGroupVersion.WithKind("Pod")
+	namespaceGVK = corev1.SchemeGroupVersion.WithKind("Namespace")
+	nodeGVK      = corev1.SchemeGroupVersion.WithKind("Node")
+	cnpGVK       = ciliumV2.WithKind("CiliumNetworkPolicy")
+	ccnpGVK      = ciliumV2.WithKind("CiliumClusterwideNetworkPolicy")
+	cepGVK       = ciliumV2.WithKind("CiliumEndpoint")
+	listGVK      = corev1.SchemeGroupVersion.WithKind("List")
+
+	ciliumV2 = schema.GroupVersion{Group: "cilium.io", Version: "v2"}
+)
+
+// errUnknownKind is returned for manifest objects of a kind mtlsbridge does not read.
+var errUnknownKind = errors.New("unsupported kind")
+
+// decode turns one manifest object into a table row. A row may come back
+// together with an error when part of the object was malformed; the row is
+// still used.
+func decode(u *unstructured.Unstructured) (any, error) {
+	if u.GetName() == "" {
+		return nil, fmt.Errorf("%s without metadata.name", u.GetKind())
+	}
+	namespace := u.GetNamespace()
+	if namespace == "" {
+		namespace = corev1.NamespaceDefault
+	}
+	switch gvk := u.GroupVersionKind(); gvk {
+	case podGVK:
+		var pod corev1.Pod
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &pod); err != nil {
+			return nil, fmt.Errorf("pod %s/%s: %w", namespace, u.GetName(), err)
+		}
+		pod.Namespace = namespace
+		return podFromK8s(&pod)
+	case namespaceGVK:
+		return &tables.Namespace{Name: u.GetName(), Labels: u.GetLabels()}, nil
+	case nodeGVK:
+		var node corev1.Node
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &node); err != nil {
+			return nil, fmt.Errorf("node %s: %w", u.GetName(), err)
+		}
+		return nodeFromK8s(&node), nil
+	case cnpGVK:
+		return tables.ParsePolicy(tables.KindCNP, namespace, u.GetName(), u.Object), nil
+	case ccnpGVK:
+		return tables.ParsePolicy(tables.KindCCNP, "", u.GetName(), u.Object), nil
+	case cepGVK:
+		return endpointFromUnstructured(u)
+	default:
+		return nil, fmt.Errorf("%w %s %q (want v1 Pod, Namespace, Node or cilium.io/v2 CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy, CiliumEndpoint)",
+			errUnknownKind, gvk.GroupVersion().String()+" "+gvk.Kind, u.GetName())
+	}
+}
+
+// podFromK8s keeps the fields of a pod that mtlsbridge uses. An address that
+// does not parse is left out and reported.
+func podFromK8s(p *corev1.Pod) (*tables.Pod, error) {
+	pod := &tables.Pod{
+		Namespace:      p.Namespace,
+		Name:           p.Name,
+		UID:            string(p.UID),
+		NodeName:       p.Spec.NodeName,
+		ServiceAccount: p.Spec.ServiceAccountName,
+		Labels:         p.Labels,
+		HostNetwork:    p.Spec.HostNetwork,
+		Phase:          string(p.Status.Phase),
+	}
+	var errs []error
+	addIP := func(s string) {
+		ip, err := netip.ParseAddr(s)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("pod %s: bad IP %q", pod.Key(), s))
+			return
+		}
+		for _, have := range pod.IPs {
+			if have == ip {
+				return
+			}
+		}
+		pod.IPs = append(pod.IPs, ip)
+	}
+	for _, ip := range p.Status.PodIPs {
+		addIP(ip.IP)
+	}
+	if len(p.Status.PodIPs) == 0 && p.Status.PodIP != "" {
+		addIP(p.Status.PodIP)
+	}
+	return pod, errors.Join(errs...)
+}
+
+func nodeFromK8s(n *corev1.Node) *tables.Node {
+	node := &tables.Node{Name: n.Name, Labels: n.Labels}
+	for _, a := range n.Status.Addresses {
+		if a.Type != corev1.NodeInternalIP {
+			continue
+		}
+		if ip, err := netip.ParseAddr(a.Address); err == nil {
+			node.Addresses = append(node.Addresses, ip)
+		}
+	}
+	return node
+}
+
+// endpointFromUnstructured reads status.identity.id of a CiliumEndpoint; the
+// identity stays 0 until Cilium has allocated one.
+func endpointFromUnstructured(u *unstructured.Unstructured) (*tables.Endpoint, error) {
+	ep := &tables.Endpoint{Namespace: u.GetNamespace(), Name: u.GetName()}
+	if ep.Namespace == "" {
+		ep.Namespace = corev1.NamespaceDefault
+	}
+	raw, found, err := unstructured.NestedFieldNoCopy(u.Object, "status", "identity", "id")
+	if err != nil || !found {
+		return ep, nil
+	}
+	var id int64
+	switch v := raw.(type) {
+	case int64:
+		id = v
+	case float64:
+		id = int64(v)
+	default:
+		return ep, fmt.Errorf("ciliumendpoint %s: status.identity.id is %T, want a number", ep.Key(), raw)
+	}
+	if id <= 0 || id > 1<<32-1 {
+		return ep, fmt.Errorf("ciliumendpoint %s: status.identity.id %d out of range", ep.Key(), id)
+	}
+	ep.Identity = uint32(id)
+	return ep, nil
+}

@@ -1,0 +1,250 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package source
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// reflection streams one Kubernetes resource into one table, the way
+// Cilium's reflectors do: client-go's Reflector lists and watches, and a
+// small store turns its calls into batched write transactions. No informer
+// cache: each object is held once, in its table.
+type reflection[T any] struct {
+	name     string // sources row, e.g. "k8s/pods"
+	lw       cache.ListerWatcher
+	expected runtime.Object
+	convert  func(obj any) (T, error)
+	// owned tells this source's rows from those of another source that
+	// shares the table (CNP and CCNP both fill policies).
+	owned    func(T) bool
+	tables   *writeTables
+	table    statedb.RWTable[T]
+	initDone func(statedb.WriteTxn)
+	log      *slog.Logger
+
+	mu      sync.Mutex
+	pending []storeOp[T]
+	kick    chan struct{}
+}
+
+// storeOp is one call of the Reflector on the store.
+type storeOp[T any] struct {
+	obj      T
+	err      error // conversion problem, shown in the sources row
+	deleted  bool
+	replace  []T // set for Replace: the full listing
+	isList   bool
+	watchErr error
+}
+
+func (r *reflection[T]) run(ctx context.Context, health cell.Health) error {
+	reflector := cache.NewReflectorWithOptions(r.lw, r.expected, (*reflectorStore[T])(r), cache.ReflectorOptions{Name: r.name})
+	go reflector.RunWithContext(ctx)
+
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-r.kick:
+		}
+		r.mu.Lock()
+		ops := r.pending
+		r.pending = nil
+		r.mu.Unlock()
+		r.apply(ops)
+		health.OK(r.name)
+	}
+}
+
+func (r *reflection[T]) push(op storeOp[T]) {
+	r.mu.Lock()
+	r.pending = append(r.pending, op)
+	r.mu.Unlock()
+	select {
+	case r.kick <- struct{}{}:
+	default:
+	}
+}
+
+// apply writes a batch of store calls in one transaction.
+func (r *reflection[T]) apply(ops []storeOp[T]) {
+	txn := r.tables.DB.WriteTxn(r.table, r.tables.Sources)
+	defer txn.Commit()
+	src, _, found := r.tables.Sources.Get(txn, tables.SourceByName(r.name))
+	if found {
+		copy := *src
+		src = &copy
+	} else {
+		src = &tables.Source{Name: r.name}
+	}
+	for _, op := range ops {
+		switch {
+		case op.watchErr != nil:
+			src.Error = "watch: " + op.watchErr.Error()
+		case op.isList:
+			src.Objects = replace(txn, r.table, op.replace, r.owned)
+			src.Synced = true
+			src.Error = ""
+			if r.initDone != nil {
+				r.initDone(txn)
+				r.initDone = nil
+			}
+		case op.deleted:
+			if remove(txn, r.table, op.obj) {
+				src.Objects--
+			}
+		default:
+			if upsert(txn, r.table, op.obj) {
+				src.Objects++
+			}
+		}
+		if op.err != nil {
+			r.log.Error("Malformed Kubernetes object", "source", r.name, "error", op.err)
+			src.Error = op.err.Error()
+		}
+	}
+	r.tables.Sources.Insert(txn, src)
+}
+
+// reflectorStore implements cache.ReflectorStore on a reflection.
+type reflectorStore[T any] reflection[T]
+
+func (s *reflectorStore[T]) r() *reflection[T] { return (*reflection[T])(s) }
+
+func (s *reflectorStore[T]) Add(obj any) error { return s.Update(obj) }
+func (s *reflectorStore[T]) Resync() error     { return nil }
+func (s *reflectorStore[T]) Update(obj any) error {
+	row, err := s.convert(obj)
+	s.r().push(storeOp[T]{obj: row, err: err})
+	return nil
+}
+
+func (s *reflectorStore[T]) Delete(obj any) error {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	row, _ := s.convert(obj)
+	s.r().push(storeOp[T]{obj: row, deleted: true})
+	return nil
+}
+
+func (s *reflectorStore[T]) Replace(list []any, _ string) error {
+	rows := make([]T, 0, len(list))
+	var firstErr error
+	for _, obj := range list {
+		row, err := s.convert(obj)
+		if err != nil && firstErr == nil {
+			firstErr = err
+		}
+		rows = append(rows, row)
+	}
+	s.r().push(storeOp[T]{replace: rows, isList: true, err: firstErr})
+	return nil
+}
+
+// k8sJobs builds one reflection job per resource mtlsbridge reads, each
+// marking its table initialized after its first listing.
+func k8sJobs(log *slog.Logger, c *Clients, w *writeTables) []job.Job {
+	typed := func(resource string) *cache.ListWatch {
+		return cache.NewListWatchFromClient(c.Kube.CoreV1().RESTClient(), resource, metav1.NamespaceAll, fields.Everything())
+	}
+	custom := func(resource string) *cache.ListWatch {
+		return dynamicListWatch(c.Dynamic, ciliumV2.WithResource(resource))
+	}
+	policy := func(kind tables.PolicyKind) func(any) (*tables.Policy, error) {
+		return func(obj any) (*tables.Policy, error) {
+			u := obj.(*unstructured.Unstructured)
+			return tables.ParsePolicy(kind, u.GetNamespace(), u.GetName(), u.Object), nil
+		}
+	}
+	ownsKind := func(kind tables.PolicyKind) func(*tables.Policy) bool {
+		return func(p *tables.Policy) bool { return p.Kind == kind }
+	}
+	return []job.Job{
+		newReflection(log, w, w.Pods, "pods", typed("pods"), c.Kube, &corev1.Pod{},
+			func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) }, ownsAll),
+		newReflection(log, w, w.Namespaces, "namespaces", typed("namespaces"), c.Kube, &corev1.Namespace{},
+			func(obj any) (*tables.Namespace, error) {
+				ns := obj.(*corev1.Namespace)
+				return &tables.Namespace{Name: ns.Name, Labels: ns.Labels}, nil
+			}, ownsAll),
+		newReflection(log, w, w.Nodes, "nodes", typed("nodes"), c.Kube, &corev1.Node{},
+			func(obj any) (*tables.Node, error) { return nodeFromK8s(obj.(*corev1.Node)), nil }, ownsAll),
+		newReflection(log, w, w.Policies, "ciliumnetworkpolicies", custom("ciliumnetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
+			policy(tables.KindCNP), ownsKind(tables.KindCNP)),
+		newReflection(log, w, w.Policies, "ciliumclusterwidenetworkpolicies", custom("ciliumclusterwidenetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
+			policy(tables.KindCCNP), ownsKind(tables.KindCCNP)),
+		newReflection(log, w, w.Endpoints, "ciliumendpoints", custom("ciliumendpoints"), c.Dynamic, &unstructured.Unstructured{},
+			func(obj any) (*tables.Endpoint, error) {
+				return endpointFromUnstructured(obj.(*unstructured.Unstructured))
+			}, ownsAll),
+	}
+}
+
+func newReflection[T any](log *slog.Logger, w *writeTables, table statedb.RWTable[T], resource string,
+	lw *cache.ListWatch, client any, expected runtime.Object, convert func(any) (T, error), owned func(T) bool) job.Job {
+	r := &reflection[T]{
+		name: "k8s/" + resource, expected: expected, convert: convert, owned: owned,
+		tables: w, table: table, log: log, kick: make(chan struct{}, 1),
+	}
+	r.lw = cache.ToListWatcherWithWatchListSemantics(r.observeErrors(lw), client)
+	txn := w.DB.WriteTxn(table)
+	r.initDone = table.RegisterInitializer(txn, r.name)
+	txn.Commit()
+	return job.OneShot("reflect-"+resource, r.run)
+}
+
+// observeErrors records failed list and watch calls in the sources row
+// (client-go's Reflector only logs them) and passes them on for its retry.
+func (r *reflection[T]) observeErrors(lw *cache.ListWatch) *cache.ListWatch {
+	list, watchFn := lw.ListWithContextFunc, lw.WatchFuncWithContext
+	report := func(err error) {
+		if err != nil {
+			r.log.Warn("Kubernetes list/watch failed, retrying", "source", r.name, "error", err)
+			r.push(storeOp[T]{watchErr: err})
+		}
+	}
+	return &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			obj, err := list(ctx, opts)
+			report(err)
+			return obj, err
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			w, err := watchFn(ctx, opts)
+			report(err)
+			return w, err
+		},
+		DisableChunking: lw.DisableChunking,
+	}
+}
+
+func dynamicListWatch(dyn dynamic.Interface, gvr schema.GroupVersionResource) *cache.ListWatch {
+	res := dyn.Resource(gvr)
+	return &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			return res.List(ctx, opts)
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			return res.Watch(ctx, opts)
+		},
+	}
+}

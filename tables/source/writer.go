@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package source
+
+import (
+	"reflect"
+
+	"github.com/cilium/statedb"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// writeTables are the tables the sources own.
+type writeTables struct {
+	DB         *statedb.DB
+	Pods       statedb.RWTable[*tables.Pod]
+	Namespaces statedb.RWTable[*tables.Namespace]
+	Policies   statedb.RWTable[*tables.Policy]
+	Endpoints  statedb.RWTable[*tables.Endpoint]
+	Nodes      statedb.RWTable[*tables.Node]
+	Sources    statedb.RWTable[*tables.Source]
+}
+
+func (w *writeTables) all() []statedb.TableMeta {
+	return []statedb.TableMeta{w.Pods, w.Namespaces, w.Policies, w.Endpoints, w.Nodes, w.Sources}
+}
+
+// objectSet groups decoded objects by table.
+type objectSet struct {
+	pods       []*tables.Pod
+	namespaces []*tables.Namespace
+	policies   []*tables.Policy
+	endpoints  []*tables.Endpoint
+	nodes      []*tables.Node
+}
+
+func (s *objectSet) add(obj any) {
+	switch o := obj.(type) {
+	case *tables.Pod:
+		s.pods = append(s.pods, o)
+	case *tables.Namespace:
+		s.namespaces = append(s.namespaces, o)
+	case *tables.Policy:
+		s.policies = append(s.policies, o)
+	case *tables.Endpoint:
+		s.endpoints = append(s.endpoints, o)
+	case *tables.Node:
+		s.nodes = append(s.nodes, o)
+	}
+}
+
+// replaceAll makes every table hold exactly the objects of the set.
+func (w *writeTables) replaceAll(txn statedb.WriteTxn, s *objectSet) {
+	replace(txn, w.Pods, s.pods, ownsAll)
+	replace(txn, w.Namespaces, s.namespaces, ownsAll)
+	replace(txn, w.Policies, s.policies, ownsAll)
+	replace(txn, w.Endpoints, s.endpoints, ownsAll)
+	replace(txn, w.Nodes, s.nodes, ownsAll)
+}
+
+func ownsAll[T any](T) bool { return true }
+
+// upsert inserts obj unless an equal object is already there, so that
+// consumers of the table's changes see only real changes. It reports
+// whether the object is new.
+func upsert[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T) (added bool) {
+	q, _ := tbl.PrimaryIndexer().QueryFromObject(obj)
+	old, _, found := tbl.Get(txn, q)
+	if found && reflect.DeepEqual(old, obj) {
+		return false
+	}
+	tbl.Insert(txn, obj)
+	return !found
+}
+
+// remove deletes the object with obj's primary key. It reports whether it was there.
+func remove[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T) (removed bool) {
+	_, hadOld, _ := tbl.Delete(txn, obj)
+	return hadOld
+}
+
+// replace makes the objects of tbl that owned accepts exactly objs. It
+// returns how many objects the owner now has.
+func replace[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], objs []T, owned func(T) bool) int {
+	keep := make(map[string]struct{}, len(objs))
+	idx := tbl.PrimaryIndexer()
+	for _, obj := range objs {
+		upsert(txn, tbl, obj)
+		key, _ := idx.ObjectToKey(obj)
+		keep[string(key)] = struct{}{}
+	}
+	var stale []T
+	for obj := range tbl.All(txn) {
+		key, _ := idx.ObjectToKey(obj)
+		if _, ok := keep[string(key)]; !ok && owned(obj) {
+			stale = append(stale, obj)
+		}
+	}
+	for _, obj := range stale {
+		tbl.Delete(txn, obj)
+	}
+	return len(keep)
+}
