@@ -29,7 +29,7 @@ var (
 )
 
 // errUnknownKind is returned for manifest objects of a kind mtlsbridge does not read.
-var errUnknownKind = errors.New("unsupported kind")
+var errUnknownKind = errors.New("unsupported kind (mtlsbridge reads v1 Pod, Namespace, Node and cilium.io/v2 CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy, CiliumEndpoint)")
 
 // decode turns one manifest object into a table row. A row may come back
 // together with an error when part of the object was malformed; the row is
@@ -65,8 +65,7 @@ func decode(u *unstructured.Unstructured) (any, error) {
 	case cepGVK:
 		return endpointFromUnstructured(u)
 	default:
-		return nil, fmt.Errorf("%w %s %q (want v1 Pod, Namespace, Node or cilium.io/v2 CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy, CiliumEndpoint)",
-			errUnknownKind, gvk.GroupVersion().String()+" "+gvk.Kind, u.GetName())
+		return nil, fmt.Errorf("%s %s %q: %w", gvk.GroupVersion(), gvk.Kind, u.GetName(), errUnknownKind)
 	}
 }
 

@@ -170,7 +170,11 @@ func (d *dirSource) readFile(name string, old *tables.Source) *tables.Source {
 	}
 	src.Decoded, src.Objects = objs, len(objs)
 	if len(objErrs) > 0 {
-		src.Error = errors.Join(objErrs...).Error()
+		msgs := make([]string, len(objErrs))
+		for i, e := range objErrs {
+			msgs[i] = e.Error()
+		}
+		src.Error = strings.Join(msgs, "; ")
 		for _, e := range objErrs {
 			d.log.Error("Ignoring manifest object", "file", path, "error", e)
 		}
@@ -183,7 +187,12 @@ func (d *dirSource) readFile(name string, old *tables.Source) *tables.Source {
 // object that cannot be used is reported in objErrs and skipped.
 func decodeManifests(content []byte) (objs []any, objErrs []error, err error) {
 	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(content)))
-	var docs []*unstructured.Unstructured
+	type document struct {
+		number int
+		object *unstructured.Unstructured
+		err    error // the document is valid YAML but not an object
+	}
+	var docs []document
 	for i := 1; ; i++ {
 		doc, err := reader.Read()
 		if errors.Is(err, io.EOF) {
@@ -201,7 +210,7 @@ func decodeManifests(content []byte) (objs []any, objErrs []error, err error) {
 		}
 		u := &unstructured.Unstructured{}
 		if err := u.UnmarshalJSON(js); err != nil {
-			objErrs = append(objErrs, fmt.Errorf("document %d: %w", i, err))
+			docs = append(docs, document{number: i, err: err})
 			continue
 		}
 		if u.GroupVersionKind() == listGVK {
@@ -210,16 +219,20 @@ func decodeManifests(content []byte) (objs []any, objErrs []error, err error) {
 				return nil, nil, fmt.Errorf("document %d: %w", i, err)
 			}
 			for j := range items.Items {
-				docs = append(docs, &items.Items[j])
+				docs = append(docs, document{number: i, object: &items.Items[j]})
 			}
 			continue
 		}
-		docs = append(docs, u)
+		docs = append(docs, document{number: i, object: u})
 	}
-	for _, u := range docs {
-		obj, err := decode(u)
+	for _, doc := range docs {
+		var obj any
+		err := doc.err
+		if err == nil {
+			obj, err = decode(doc.object)
+		}
 		if err != nil {
-			objErrs = append(objErrs, err)
+			objErrs = append(objErrs, fmt.Errorf("document %d: %w", doc.number, err))
 		}
 		if obj != nil {
 			objs = append(objs, obj)
