@@ -15,7 +15,7 @@ import (
 const PodsTableName = "pods"
 
 // NamespaceLabel is the pseudo label Cilium selectors use for a pod's
-// namespace. Every pod carries it in the label index.
+// namespace.
 const NamespaceLabel = "io.kubernetes.pod.namespace"
 
 // Pod is the part of a Kubernetes Pod that mtlsbridge needs.
@@ -70,39 +70,25 @@ var (
 	}
 	podNamespaceIndex = statedb.Index[*Pod, string]{
 		Name:       "namespace",
-		FromObject: func(p *Pod) index.KeySet { return index.NewKeySet(index.String(p.Namespace)) },
-		FromKey:    index.String,
-		FromString: index.FromString,
+		FromObject: func(p *Pod) index.KeySet { return index.NewKeySet(ExactKey(p.Namespace)) },
+		FromKey:    ExactKey,
+		FromString: ExactKeyFromString,
 	}
 	podNodeIndex = statedb.Index[*Pod, string]{
 		Name:       "node",
-		FromObject: func(p *Pod) index.KeySet { return index.NewKeySet(index.String(p.NodeName)) },
-		FromKey:    index.String,
-		FromString: index.FromString,
+		FromObject: func(p *Pod) index.KeySet { return index.NewKeySet(ExactKey(p.NodeName)) },
+		FromKey:    ExactKey,
+		FromString: ExactKeyFromString,
 	}
-	// podLabelIndex holds "key=value" for every label plus the namespace
-	// pseudo label, so that a policy selector finds its candidates without a
-	// scan of every pod.
-	podLabelIndex = statedb.Index[*Pod, string]{
-		Name: "label",
-		FromObject: func(p *Pod) index.KeySet {
-			return index.StringSlice(append(p.Labels.keys(), LabelKey(NamespaceLabel, p.Namespace)))
-		},
-		FromKey:    index.String,
-		FromString: index.FromString,
-	}
-
 	// PodByKey queries a pod by "namespace/name".
 	PodByKey = podKeyIndex.Query
 	// PodsByNamespace queries the pods of a namespace.
 	PodsByNamespace = podNamespaceIndex.Query
 	// PodsByNode queries the pods scheduled to a node.
 	PodsByNode = podNodeIndex.Query
-	// PodsByLabel queries the pods carrying a label, given as LabelKey(k, v).
-	PodsByLabel = podLabelIndex.Query
 )
 
 // NewPodsTable creates the pods table.
 func NewPodsTable(db *statedb.DB) (statedb.RWTable[*Pod], error) {
-	return statedb.NewTable(db, PodsTableName, podKeyIndex, podNamespaceIndex, podNodeIndex, podLabelIndex)
+	return statedb.NewTable(db, PodsTableName, podKeyIndex, podNamespaceIndex, podNodeIndex)
 }

@@ -73,7 +73,7 @@ func (p *Policy) Selects(pod *Pod, ns *Namespace) bool {
 
 // anchors are the keys under which the policy is found from a pod: the
 // pod's namespace for a CNP, and for a CCNP one label each selector
-// requires (or matchAll when it requires none).
+// requires (or MatchAll when it requires none).
 func (p *Policy) anchors() []string {
 	if p.Kind == KindCNP {
 		return []string{LabelKey(NamespaceLabel, p.Namespace)}
@@ -122,6 +122,11 @@ func (s EndpointSelector) Anchor() string {
 	return s.anchor
 }
 
+// Namespace returns the namespace the selector requires, if it requires one.
+func (s EndpointSelector) Namespace() (string, bool) {
+	return strings.CutPrefix(s.anchor, NamespaceLabel+"=")
+}
+
 // MatchAll is the anchor of selectors that do not require a specific label.
 const MatchAll = "*"
 
@@ -148,11 +153,9 @@ func (v podLabelView) Lookup(key string) (string, bool) {
 		if v.ns == nil {
 			return "", false
 		}
-		val, ok := v.ns.Labels[strings.TrimPrefix(key, namespaceLabelsPrefix)]
-		return val, ok
+		return v.ns.Labels.Lookup(strings.TrimPrefix(key, namespaceLabelsPrefix))
 	}
-	val, ok := v.pod.Labels[key]
-	return val, ok
+	return v.pod.Labels.Lookup(key)
 }
 
 func (v podLabelView) Has(key string) bool {
@@ -174,10 +177,15 @@ var (
 		Unique:     true,
 	}
 	policyAnchorIndex = statedb.Index[*Policy, string]{
-		Name:       "anchor",
-		FromObject: func(p *Policy) index.KeySet { return index.StringSlice(p.anchors()) },
-		FromKey:    index.String,
-		FromString: index.FromString,
+		Name: "anchor",
+		FromObject: func(p *Policy) index.KeySet {
+			if anchors := p.anchors(); len(anchors) > 0 {
+				return exactKeys(anchors)
+			}
+			return index.KeySet{}
+		},
+		FromKey:    ExactKey,
+		FromString: ExactKeyFromString,
 	}
 
 	// PolicyByKey queries a policy by its key (see PolicyKey).

@@ -162,9 +162,10 @@ func parseEndpointSelector(ls *metav1.LabelSelector) (EndpointSelector, error) {
 	return EndpointSelector{Text: sel.String(), selector: sel, anchor: selectorAnchor(sel)}, nil
 }
 
-// selectorAnchor picks one label every selected pod must carry, preferring a
-// real pod label over the namespace pseudo label. Pseudo labels that are not
-// in the pod label index (service account, namespace labels) never anchor.
+// selectorAnchor picks one label every selected pod must carry, preferring
+// the namespace pseudo label (usually the narrowest) over a pod label. The
+// other pseudo labels (service account, namespace labels) never anchor:
+// pods are looked up by their real labels and namespace.
 func selectorAnchor(sel labels.Selector) string {
 	reqs, _ := sel.Requirements()
 	anchor := ""
@@ -183,10 +184,12 @@ func selectorAnchor(sel labels.Selector) string {
 		if key == serviceAccountLabel || strings.HasPrefix(key, namespaceLabelsPrefix) {
 			continue
 		}
-		if key != NamespaceLabel {
+		if key == NamespaceLabel {
 			return LabelKey(key, value)
 		}
-		anchor = LabelKey(key, value)
+		if anchor == "" {
+			anchor = LabelKey(key, value)
+		}
 	}
 	return anchor
 }

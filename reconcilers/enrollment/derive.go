@@ -122,20 +122,24 @@ func policyTouches(d *derivation, txn statedb.ReadTxn, c statedb.Change[*tables.
 			dirty[pod.Key()] = struct{}{}
 		}
 	}
+	if p.Kind == tables.KindCNP {
+		for pod := range d.Pods.List(txn, tables.PodsByNamespace(p.Namespace)) {
+			visit(pod)
+		}
+		return
+	}
+	// A CCNP scoped to namespaces visits their pods; one that is not visits
+	// every pod (a pod label index would cost more memory per pod than
+	// these rare cluster-wide changes cost in time).
 	for _, sel := range p.Selectors {
-		switch anchor := sel.Anchor(); {
-		case anchor != tables.MatchAll:
-			for pod := range d.Pods.List(txn, tables.PodsByLabel(anchor)) {
+		if ns, ok := sel.Namespace(); ok {
+			for pod := range d.Pods.List(txn, tables.PodsByNamespace(ns)) {
 				visit(pod)
 			}
-		case p.Kind == tables.KindCNP:
-			for pod := range d.Pods.List(txn, tables.PodsByNamespace(p.Namespace)) {
-				visit(pod)
-			}
-		default:
-			for pod := range d.Pods.All(txn) {
-				visit(pod)
-			}
+			continue
+		}
+		for pod := range d.Pods.All(txn) {
+			visit(pod)
 		}
 	}
 }
@@ -146,42 +150,11 @@ func namespaceOf(d *derivation, txn statedb.ReadTxn, pod *tables.Pod) *tables.Na
 }
 
 func (d *derivation) run(ctx context.Context, health cell.Health) error {
-	inputsInitialized := func(txn statedb.ReadTxn) (bool, []<-chan struct{}) {
-		var waits []<-chan struct{}
-		for _, t := range []statedb.TableMeta{d.Pods, d.Namespaces, d.Policies, d.Endpoints} {
-			if ok, w := t.Initialized(txn); !ok {
-				waits = append(waits, w)
-			}
-		}
-		return len(waits) == 0, waits
-	}
-
 	ws := statedb.NewWatchSet()
 	for {
-		txn := d.DB.ReadTxn()
-		dirty := map[string]struct{}{}
 		ws.Clear()
-		ws.Add(
-			d.pods.next(d, txn, dirty),
-			d.namespaces.next(d, txn, dirty),
-			d.policies.next(d, txn, dirty),
-			d.endpoints.next(d, txn, dirty),
-		)
-		if len(dirty) > 0 {
-			d.update(dirty)
-		}
-		if d.initDone != nil {
-			if ok, waits := inputsInitialized(txn); ok {
-				wtxn := d.DB.WriteTxn(d.Enrollments)
-				d.initDone(wtxn)
-				wtxn.Commit()
-				d.initDone = nil
-			} else {
-				ws.Add(waits...)
-			}
-		}
-		health.OK(fmt.Sprintf("%d pods", d.Enrollments.NumObjects(txn)))
-
+		ws.Add(d.step()...)
+		health.OK(fmt.Sprintf("%d pods", d.Enrollments.NumObjects(d.DB.ReadTxn())))
 		if _, err := ws.Wait(ctx, 0); err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -189,6 +162,38 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 			return err
 		}
 	}
+}
+
+// step processes every change committed so far and returns the channels
+// that close when there is more to do.
+func (d *derivation) step() []<-chan struct{} {
+	txn := d.DB.ReadTxn()
+	dirty := map[string]struct{}{}
+	watches := []<-chan struct{}{
+		d.pods.next(d, txn, dirty),
+		d.namespaces.next(d, txn, dirty),
+		d.policies.next(d, txn, dirty),
+		d.endpoints.next(d, txn, dirty),
+	}
+	if len(dirty) > 0 {
+		d.update(dirty)
+	}
+	if d.initDone == nil {
+		return watches
+	}
+	// The table is initialized once every input is and its rows are derived.
+	for _, t := range []statedb.TableMeta{d.Pods, d.Namespaces, d.Policies, d.Endpoints} {
+		if ok, w := t.Initialized(txn); !ok {
+			watches = append(watches, w)
+		}
+	}
+	if len(watches) == 4 {
+		wtxn := d.DB.WriteTxn(d.Enrollments)
+		d.initDone(wtxn)
+		wtxn.Commit()
+		d.initDone = nil
+	}
+	return watches
 }
 
 // update recomputes the dirty pods in one transaction. Rows that come out

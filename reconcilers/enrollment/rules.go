@@ -54,7 +54,7 @@ func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
 		Pod:       pod.Name,
 		UID:       pod.UID,
 		Node:      pod.NodeName,
-		MTLSAgent: pod.Labels[RedirTypeLabel] == RedirTypeProxy,
+		MTLSAgent: pod.Labels.Get(RedirTypeLabel) == RedirTypeProxy,
 	}
 	ns, _, _ := in.namespaces.Get(in.txn, tables.NamespaceByName(pod.Namespace))
 
@@ -69,14 +69,14 @@ func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
 		e.Reason = ReasonExcludedNamespace
 	case len(pod.IPs) == 0:
 		e.Reason = ReasonNoIP
-	case pod.Labels[RedirTypeLabel] == RedirTypeNone:
+	case pod.Labels.Get(RedirTypeLabel) == RedirTypeNone:
 		e.Reason = ReasonOptOut
-	case pod.Labels[RedirTypeLabel] == RedirTypeWorkload:
+	case pod.Labels.Get(RedirTypeLabel) == RedirTypeWorkload:
 		e.Enrolled, e.Reason = true, ReasonWorkloadLabel
 	default:
 		if p := selectingPolicy(in, pod, ns); p != "" {
 			e.Enrolled, e.Reason, e.Policy = true, ReasonPolicyPrefix+p, p
-		} else if ns != nil && ns.Labels[NamespaceEnabledLabel] == "true" {
+		} else if ns != nil && ns.Labels.Get(NamespaceEnabledLabel) == "true" {
 			e.Enrolled, e.Reason = true, ReasonNamespaceLabel
 		} else {
 			e.Reason = ReasonNotSelected
@@ -107,7 +107,7 @@ func selectingPolicy(in inputs, pod *tables.Pod, ns *tables.Namespace) string {
 	}
 	consider(tables.LabelKey(tables.NamespaceLabel, pod.Namespace))
 	consider(tables.MatchAll)
-	for k, v := range pod.Labels {
+	for k, v := range pod.Labels.All() {
 		consider(tables.LabelKey(k, v))
 	}
 	return best

@@ -7,6 +7,8 @@ import (
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TableName is the name of the enrollments table.
@@ -61,9 +63,9 @@ var (
 	}
 	nodeIndex = statedb.Index[*Enrollment, string]{
 		Name:       "node",
-		FromObject: func(e *Enrollment) index.KeySet { return index.NewKeySet(index.String(e.Node)) },
-		FromKey:    index.String,
-		FromString: index.FromString,
+		FromObject: func(e *Enrollment) index.KeySet { return index.NewKeySet(tables.ExactKey(e.Node)) },
+		FromKey:    tables.ExactKey,
+		FromString: tables.ExactKeyFromString,
 	}
 	policyIndex = statedb.Index[*Enrollment, string]{
 		Name: "policy",
@@ -71,10 +73,10 @@ var (
 			if e.Policy == "" {
 				return index.KeySet{}
 			}
-			return index.NewKeySet(index.String(e.Policy))
+			return index.NewKeySet(tables.ExactKey(e.Policy))
 		},
-		FromKey:    index.String,
-		FromString: index.FromString,
+		FromKey:    tables.ExactKey,
+		FromString: tables.ExactKeyFromString,
 	}
 
 	// ByKey queries the enrollment of the pod "namespace/name".

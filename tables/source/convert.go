@@ -51,7 +51,7 @@ func decode(u *unstructured.Unstructured) (any, error) {
 		pod.Namespace = namespace
 		return podFromK8s(&pod)
 	case namespaceGVK:
-		return &tables.Namespace{Name: u.GetName(), Labels: u.GetLabels()}, nil
+		return &tables.Namespace{Name: u.GetName(), Labels: tables.NewLabels(u.GetLabels())}, nil
 	case nodeGVK:
 		var node corev1.Node
 		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &node); err != nil {
@@ -78,7 +78,7 @@ func podFromK8s(p *corev1.Pod) (*tables.Pod, error) {
 		UID:            string(p.UID),
 		NodeName:       p.Spec.NodeName,
 		ServiceAccount: p.Spec.ServiceAccountName,
-		Labels:         p.Labels,
+		Labels:         tables.NewLabels(p.Labels),
 		HostNetwork:    p.Spec.HostNetwork,
 		Phase:          string(p.Status.Phase),
 	}
@@ -106,7 +106,7 @@ func podFromK8s(p *corev1.Pod) (*tables.Pod, error) {
 }
 
 func nodeFromK8s(n *corev1.Node) *tables.Node {
-	node := &tables.Node{Name: n.Name, Labels: n.Labels}
+	node := &tables.Node{Name: n.Name, Labels: tables.NewLabels(n.Labels)}
 	for _, a := range n.Status.Addresses {
 		if a.Type != corev1.NodeInternalIP {
 			continue

@@ -184,7 +184,7 @@ func k8sJobs(log *slog.Logger, c *Clients, w *writeTables) []job.Job {
 		newReflection(log, w, w.Namespaces, "namespaces", typed("namespaces"), c.Kube, &corev1.Namespace{},
 			func(obj any) (*tables.Namespace, error) {
 				ns := obj.(*corev1.Namespace)
-				return &tables.Namespace{Name: ns.Name, Labels: ns.Labels}, nil
+				return &tables.Namespace{Name: ns.Name, Labels: tables.NewLabels(ns.Labels)}, nil
 			}, ownsAll),
 		newReflection(log, w, w.Nodes, "nodes", typed("nodes"), c.Kube, &corev1.Node{},
 			func(obj any) (*tables.Node, error) { return nodeFromK8s(obj.(*corev1.Node)), nil }, ownsAll),
