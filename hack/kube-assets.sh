@@ -59,7 +59,8 @@ build() {
 		return 0
 	fi
 	local tmp="${assets}/.${name}.tmp.$$"
-	trap 'rm -f "${tmp}"' EXIT
+	# shellcheck disable=SC2064 # expand now: tmp is local to this function
+	trap "rm -f -- $(printf '%q' "${tmp}")" EXIT
 	log "building ${name} (${pkg}) into ${assets}; this takes several minutes"
 	local start=${SECONDS}
 	# -mod=readonly: go.sum is complete, so a clean module cache only downloads.
