@@ -53,8 +53,8 @@ func (c Config) excluded(namespace string) bool {
 }
 
 func (c Config) validate() error {
-	if c.TrustDomain == "" {
-		return fmt.Errorf("--trust-domain must not be empty")
+	if err := identity.ValidateTrustDomain(c.TrustDomain); err != nil {
+		return fmt.Errorf("--trust-domain: %w", err)
 	}
 	return nil
 }

@@ -1,0 +1,151 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/hivetest"
+	"github.com/spf13/pflag"
+
+	"github.com/mtlsbridge/mtlsbridge/agent"
+	"github.com/mtlsbridge/mtlsbridge/api"
+)
+
+// Flags that make no sense stop the agent with a message naming the flag.
+func TestAgentRejectsBadFlags(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--source=foo"}, `--source="foo": want "k8s" or "dir:PATH"`},
+		{[]string{"--source=dir:"}, "--source=dir: needs a folder"},
+		{[]string{"--source=dir:/nonexistent/manifests"}, "--source=dir:/nonexistent/manifests: stat /nonexistent/manifests: no such file or directory"},
+		{[]string{"--source=dir:.", "--trust-domain=Cluster.Local"}, `--trust-domain: trust domain "Cluster.Local": character 'C' not allowed`},
+		{[]string{"--source=dir:.", "--trust-domain="}, "--trust-domain: trust domain is empty"},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			cmd := rootCmd()
+			cmd.SetArgs(append([]string{"agent", "--state-dir=" + t.TempDir()}, tc.args...))
+			cmd.SetOut(&bytes.Buffer{})
+			cmd.SetErr(&bytes.Buffer{})
+			done := make(chan error, 1)
+			go func() { done <- cmd.Execute() }()
+			select {
+			case err := <-done:
+				if err == nil || !strings.Contains(err.Error(), tc.want) {
+					t.Fatalf("got error %v, want one containing %q", err, tc.want)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("the agent did not exit on a bad flag")
+			}
+		})
+	}
+}
+
+// db show and db dump read the tables of a running agent through its sockets.
+func TestDBCommandsAgainstRunningAgent(t *testing.T) {
+	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(stateDir) })
+
+	h := hive.New(agent.Infrastructure, agent.Cell)
+	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	if err := flags.Parse([]string{"--source=dir:../../testdata/demo", "--state-dir=" + stateDir,
+		"--shell-sock-path=" + api.ShellSocketPath(stateDir), "--node-name=node-a"}); err != nil {
+		t.Fatal(err)
+	}
+	log := hivetest.Logger(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := h.Start(log, ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Stop(log, context.Background()) })
+
+	run := func(args ...string) (string, error) {
+		cmd := rootCmd()
+		var out bytes.Buffer
+		cmd.SetOut(&out)
+		cmd.SetArgs(append(args, "--state-dir="+stateDir))
+		err := cmd.Execute()
+		return out.String(), err
+	}
+
+	// The sockets appear once the jobs run; the enrollments once derived.
+	var rows []map[string]any
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		out, err := run("db", "show", "enrollments", "-o", "json")
+		if err == nil {
+			rows = nil
+			if err := json.Unmarshal([]byte(out), &rows); err != nil {
+				t.Fatalf("db show -o json printed no JSON array: %s\n%s", err, out)
+			}
+			if len(rows) == 10 {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no 10 enrollments in time: last error %v, rows %d", err, len(rows))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	var frontend map[string]any
+	for _, r := range rows {
+		if r["namespace"] == "shop" && r["pod"] == "frontend" {
+			frontend = r
+		}
+	}
+	want := map[string]any{
+		"namespace": "shop", "pod": "frontend", "node": "node-a", "enrolled": true,
+		"reason": "namespace-label", "spiffeID": "spiffe://cluster.local/ns/shop/sa/frontend",
+		"identitySpiffeID": "spiffe://cluster.local/identity/12345", "mtlsAgent": false,
+	}
+	for k, v := range want {
+		if frontend[k] != v {
+			t.Errorf("shop/frontend %s = %v, want %v (row %v)", k, frontend[k], v, frontend)
+		}
+	}
+
+	out, err := run("db", "show", "enrollments")
+	if err != nil || !strings.Contains(out, "payments/checkout") || !strings.Contains(out, "policy:cnp/payments/checkout-mtls") {
+		t.Errorf("db show enrollments: %v\n%s", err, out)
+	}
+	if _, err := run("db", "show", "no-such-table"); err == nil || !strings.Contains(err.Error(), "no-such-table") {
+		t.Errorf("db show of an unknown table: got %v", err)
+	}
+
+	out, err = run("db", "dump")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dump map[string][]json.RawMessage
+	if err := json.Unmarshal([]byte(out), &dump); err != nil {
+		t.Fatalf("db dump is not a JSON object of tables: %s", err)
+	}
+	for _, table := range []string{"pods", "namespaces", "policies", "endpoints", "nodes", "sources", "enrollments"} {
+		if len(dump[table]) == 0 {
+			t.Errorf("db dump has no rows of %s", table)
+		}
+	}
+}
+
+func TestDBCommandsWithoutAgent(t *testing.T) {
+	cmd := rootCmd()
+	cmd.SetArgs([]string{"db", "show", "enrollments", "--state-dir=" + t.TempDir()})
+	err := cmd.Execute()
+	if err == nil || !strings.Contains(err.Error(), "is `mtlsbridge agent` running with the same --state-dir?") {
+		t.Fatalf("got %v", err)
+	}
+}
