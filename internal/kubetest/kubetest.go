@@ -129,6 +129,9 @@ func Start(t testing.TB) *rest.Config {
 	apiserver := startProcess(t, "kube-apiserver", apiserverBin, filepath.Join(dir, "kube-apiserver.log"),
 		"--etcd-servers="+etcdURL,
 		"--bind-address=127.0.0.1",
+		// Advertise loopback too, rather than an address of the host's
+		// default route (which a sandbox may not have).
+		"--advertise-address=127.0.0.1",
 		"--secure-port="+strconv.Itoa(port),
 		"--cert-dir="+certDir,
 		"--service-cluster-ip-range=10.0.0.0/24",
@@ -137,7 +140,7 @@ func Start(t testing.TB) *rest.Config {
 		"--service-account-signing-key-file="+saKey,
 		"--token-auth-file="+tokens,
 		"--authorization-mode=RBAC",
-		// The default reconciler gives up on a loopback address.
+		// The default reconciler refuses a loopback advertise address.
 		"--endpoint-reconciler-type=none",
 		// No controller-manager creates the default service accounts.
 		"--disable-admission-plugins=ServiceAccount",
@@ -307,8 +310,9 @@ func findBinaries(t testing.TB) (etcd, apiserver string) {
 	if err == nil {
 		return etcd, apiserver
 	}
-	msg := fmt.Sprintf("kubetest: kube-apiserver and etcd binaries are missing (%v); "+
-		"run `make kube-assets` (hack/kube-assets.sh) to build them, or set %s to their folder", err, AssetsEnv)
+	reason := strings.ReplaceAll(err.Error(), "\n", "; ")
+	msg := fmt.Sprintf("kubetest: the kube-apiserver and etcd binaries are missing (%s); "+
+		"run `make kube-assets` (hack/kube-assets.sh) to build them, or set %s to their folder", reason, AssetsEnv)
 	if os.Getenv(RequireEnv) == "1" {
 		t.Fatal(msg + " (failing, not skipping, because " + RequireEnv + "=1)")
 	}
@@ -500,11 +504,13 @@ func writeServiceAccountKey(path string) error {
 	if err != nil {
 		return fmt.Errorf("making the service account key: %w", err)
 	}
-	der, err := x509.MarshalPKCS8PrivateKey(key)
+	// SEC1, not PKCS#8: --service-account-key-file finds public keys in
+	// "EC PRIVATE KEY" blocks but not in "PRIVATE KEY" ones.
+	der, err := x509.MarshalECPrivateKey(key)
 	if err != nil {
 		return fmt.Errorf("encoding the service account key: %w", err)
 	}
-	return os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600)
+	return os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der}), 0o600)
 }
 
 func randomHex(n int) (string, error) {

@@ -2,6 +2,7 @@ package kubetest_test
 
 import (
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -20,8 +21,12 @@ var (
 )
 
 func TestStart(t *testing.T) {
+	start := time.Now()
 	cfg := kubetest.Start(t)
+	t.Logf("kube-apiserver ready in %s", time.Since(start).Round(time.Millisecond))
+	start = time.Now()
 	kubetest.ApplyCRDs(t, cfg, "../../testdata/crds")
+	t.Logf("CRDs established in %s", time.Since(start).Round(time.Millisecond))
 	// Applying again must be harmless.
 	kubetest.ApplyCRDs(t, cfg, "../../testdata/crds")
 

@@ -1,0 +1,268 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package agent_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/mtlsbridge/mtlsbridge/agent"
+	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+var (
+	cnpGVR  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumnetworkpolicies"}
+	ccnpGVR = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumclusterwidenetworkpolicies"}
+	cepGVR  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumendpoints"}
+)
+
+// TestKubernetesSource runs the agent against a real kube-apiserver and etcd
+// and checks that the enrollments table follows pods, namespaces, policies
+// and endpoints as they are created, changed and deleted.
+func TestKubernetesSource(t *testing.T) {
+	cfg := kubetest.Start(t)
+	kubetest.ApplyCRDs(t, cfg, "../testdata/crds")
+	ctx := t.Context()
+	kube := kubernetes.NewForConfigOrDie(cfg)
+	dyn := dynamic.NewForConfigOrDie(cfg)
+
+	// Objects that exist before the agent starts arrive with the first listing.
+	createNamespace(t, kube, "app", nil)
+	createPod(t, kube, "app", "web", "node-a", map[string]string{"app": "web"}, "10.0.1.1")
+	createPod(t, kube, "app", "api", "node-b", map[string]string{"app": "api"}, "10.0.2.1")
+	createPod(t, kube, "app", "ztunnel", "node-a", map[string]string{"cilium.io/redir-type": "proxy"}, "10.0.1.2")
+
+	db, enrollments, policies := startAgent(t, cfg)
+	wait := func(what string, cond func(txn statedb.ReadTxn) bool) {
+		t.Helper()
+		deadline := time.After(30 * time.Second)
+		for {
+			txn := db.ReadTxn()
+			_, watchE := enrollments.AllWatch(txn)
+			_, watchP := policies.AllWatch(txn)
+			initialized, watchInit := enrollments.Initialized(txn)
+			if initialized {
+				watchInit = nil // closed once initialized: do not spin on it
+			}
+			if cond(txn) {
+				return
+			}
+			select {
+			case <-watchInit:
+			case <-watchE:
+			case <-watchP:
+			case <-deadline:
+				t.Fatalf("timed out waiting for %s; enrollments:\n%s\npending initializers: %v", what, dumpEnrollments(txn, enrollments), pendingInitializers(db))
+			}
+		}
+	}
+	reason := func(txn statedb.ReadTxn, key string) string {
+		e, _, found := enrollments.Get(txn, enrollment.ByKey(key))
+		if !found {
+			return "<none>"
+		}
+		return e.Reason
+	}
+
+	// Step 1: the first listing. The table is initialized only after it.
+	wait("initial enrollments", func(txn statedb.ReadTxn) bool {
+		ok, _ := enrollments.Initialized(txn)
+		return ok && reason(txn, "app/web") == enrollment.ReasonNotSelected &&
+			reason(txn, "app/api") == enrollment.ReasonNotSelected &&
+			reason(txn, "app/ztunnel") == enrollment.ReasonMTLSAgent
+	})
+
+	// Step 2: a CNP requiring authentication enrolls web; its endpoint gives
+	// the Cilium identity.
+	createObject(t, dyn, cnpGVR, "app", map[string]any{
+		"apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+		"metadata": map[string]any{"name": "web-mtls", "namespace": "app"},
+		"spec": map[string]any{
+			"endpointSelector": map[string]any{"matchLabels": map[string]any{"k8s:app": "web"}},
+			"ingress":          []any{map[string]any{"authentication": map[string]any{"mode": "required"}}},
+		},
+	})
+	createObject(t, dyn, cepGVR, "app", map[string]any{
+		"apiVersion": "cilium.io/v2", "kind": "CiliumEndpoint",
+		"metadata": map[string]any{"name": "web", "namespace": "app"},
+		"status":   map[string]any{"identity": map[string]any{"id": int64(31337)}},
+	})
+	wait("web enrolled by the CNP with its identity", func(txn statedb.ReadTxn) bool {
+		e, _, ok := enrollments.Get(txn, enrollment.ByKey("app/web"))
+		return ok && e.Reason == "policy:cnp/app/web-mtls" &&
+			e.IdentitySpiffeID == "spiffe://cluster.local/identity/31337" &&
+			e.SpiffeID == "spiffe://cluster.local/ns/app/sa/default"
+	})
+
+	// Step 3: labelling the namespace enrolls api; relabelling web opts it out.
+	ns, err := kube.CoreV1().Namespaces().Get(ctx, "app", metav1.GetOptions{})
+	must(t, err)
+	ns.Labels = map[string]string{"io.cilium/mtls-enabled": "true"}
+	_, err = kube.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{})
+	must(t, err)
+	web, err := kube.CoreV1().Pods("app").Get(ctx, "web", metav1.GetOptions{})
+	must(t, err)
+	web.Labels["cilium.io/redir-type"] = "none"
+	_, err = kube.CoreV1().Pods("app").Update(ctx, web, metav1.UpdateOptions{})
+	must(t, err)
+	wait("api by namespace label, web opted out", func(txn statedb.ReadTxn) bool {
+		return reason(txn, "app/api") == enrollment.ReasonNamespaceLabel &&
+			reason(txn, "app/web") == enrollment.ReasonOptOut
+	})
+
+	// Step 4: a CCNP scoped to the namespace takes over api; a policy with an
+	// unknown mode is recorded with its error and enrolls nothing.
+	createObject(t, dyn, ccnpGVR, "", map[string]any{
+		"apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
+		"metadata": map[string]any{"name": "app-api"},
+		"spec": map[string]any{
+			"endpointSelector": map[string]any{"matchLabels": map[string]any{
+				"k8s:io.kubernetes.pod.namespace": "app", "app": "api"}},
+			"egress": []any{map[string]any{"authentication": map[string]any{"mode": "required"}}},
+		},
+	})
+	createObject(t, dyn, cnpGVR, "app", map[string]any{
+		"apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+		"metadata": map[string]any{"name": "bad-mode", "namespace": "app"},
+		"spec": map[string]any{
+			"endpointSelector": map[string]any{},
+			"ingress":          []any{map[string]any{"authentication": map[string]any{"mode": "strict"}}},
+		},
+	})
+	wait("api enrolled by the CCNP, bad policy recorded", func(txn statedb.ReadTxn) bool {
+		p, _, ok := policies.Get(txn, tables.PolicyByKey("cnp/app/bad-mode"))
+		return reason(txn, "app/api") == "policy:ccnp/app-api" && ok &&
+			p.Error == `spec.ingress[0].authentication.mode: unknown mode "strict" (want disabled, required or test-always-fail)`
+	})
+
+	// Step 5: deletes. The CCNP goes (api falls back to the namespace label),
+	// then the pod goes (its row goes).
+	must(t, dyn.Resource(ccnpGVR).Delete(ctx, "app-api", metav1.DeleteOptions{}))
+	wait("api back to the namespace label", func(txn statedb.ReadTxn) bool {
+		return reason(txn, "app/api") == enrollment.ReasonNamespaceLabel
+	})
+	must(t, kube.CoreV1().Pods("app").Delete(ctx, "api", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}))
+	wait("api's row removed", func(txn statedb.ReadTxn) bool {
+		return reason(txn, "app/api") == "<none>"
+	})
+}
+
+func startAgent(t *testing.T, cfg *rest.Config) (*statedb.DB, statedb.Table[*enrollment.Enrollment], statedb.Table[*tables.Policy]) {
+	kubeconfig := writeKubeconfig(t, cfg)
+	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
+	must(t, err)
+	t.Cleanup(func() { os.RemoveAll(stateDir) })
+
+	var (
+		db          *statedb.DB
+		enrollments statedb.Table[*enrollment.Enrollment]
+		policies    statedb.Table[*tables.Policy]
+	)
+	h := hive.New(agent.Infrastructure, agent.Cell,
+		cell.Invoke(func(d *statedb.DB, e statedb.Table[*enrollment.Enrollment], p statedb.Table[*tables.Policy]) {
+			db, enrollments, policies = d, e, p
+		}))
+	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	must(t, flags.Parse([]string{"--source=k8s", "--kubeconfig=" + kubeconfig, "--state-dir=" + stateDir, "--node-name=node-a"}))
+	log := hivetest.Logger(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	must(t, h.Start(log, ctx))
+	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	return db, enrollments, policies
+}
+
+// writeKubeconfig writes the admin configuration as a kubeconfig file, so
+// that the agent is configured the way an operator configures it.
+func writeKubeconfig(t *testing.T, cfg *rest.Config) string {
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	kc := clientcmdapi.NewConfig()
+	kc.Clusters["test"] = &clientcmdapi.Cluster{Server: cfg.Host, CertificateAuthorityData: cfg.CAData}
+	kc.AuthInfos["admin"] = &clientcmdapi.AuthInfo{Token: cfg.BearerToken}
+	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "admin"}
+	kc.CurrentContext = "test"
+	must(t, clientcmd.WriteToFile(*kc, path))
+	return path
+}
+
+func createNamespace(t *testing.T, kube kubernetes.Interface, name string, labels map[string]string) {
+	_, err := kube.CoreV1().Namespaces().Create(t.Context(),
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
+	must(t, err)
+}
+
+// createPod creates a pod bound to a node and gives it the status a kubelet
+// would (no kubelet runs here).
+func createPod(t *testing.T, kube kubernetes.Interface, ns, name, node string, labels map[string]string, ip string) {
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: labels},
+		Spec: corev1.PodSpec{
+			NodeName:   node,
+			Containers: []corev1.Container{{Name: "main", Image: "registry.invalid/none"}},
+		},
+	}
+	created, err := kube.CoreV1().Pods(ns).Create(t.Context(), pod, metav1.CreateOptions{})
+	must(t, err)
+	created.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}}
+	_, err = kube.CoreV1().Pods(ns).UpdateStatus(t.Context(), created, metav1.UpdateOptions{})
+	must(t, err)
+}
+
+func createObject(t *testing.T, dyn dynamic.Interface, gvr schema.GroupVersionResource, ns string, obj map[string]any) {
+	var err error
+	u := &unstructured.Unstructured{Object: obj}
+	if ns == "" {
+		_, err = dyn.Resource(gvr).Create(t.Context(), u, metav1.CreateOptions{})
+	} else {
+		_, err = dyn.Resource(gvr).Namespace(ns).Create(t.Context(), u, metav1.CreateOptions{})
+	}
+	must(t, err)
+}
+
+func dumpEnrollments(txn statedb.ReadTxn, tbl statedb.Table[*enrollment.Enrollment]) string {
+	out := ""
+	for e := range tbl.All(txn) {
+		out += fmt.Sprintf("  %v\n", e.TableRow())
+	}
+	return out
+}
+
+func pendingInitializers(db *statedb.DB) map[string][]string {
+	txn := db.ReadTxn()
+	out := map[string][]string{}
+	for _, t := range db.GetTables(txn) {
+		if p := t.PendingInitializers(txn); len(p) > 0 {
+			out[t.Name()] = p
+		}
+	}
+	return out
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
