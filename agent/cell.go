@@ -10,6 +10,8 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/grpcserver"
+	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/source"
@@ -27,7 +29,9 @@ var Cell = cell.Group(
 	tables.Cell,     // identity of this node
 	source.Cell,     // Kubernetes or manifest folder into tables
 	enrollment.Cell, // enrollments: who is in, and why
-	api.Cell,        // local API: table dumps, health
+	api.Cell,        // local API: table dumps, health, metrics
+	grpcserver.Cell, // TLS gRPC listener for the mTLS agent, caller authentication
+	identity.Cell,   // certificate authority for the mTLS agent
 	// The hive shell (all script commands, e.g. db/show) on a socket in the
 	// state folder; cmd sets its path from --state-dir.
 	shell.ServerCell(""),

@@ -41,7 +41,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	h := hive.New(agent.Infrastructure, agent.Cell)
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)
-	defaults := []string{"--source=dir:" + manifests, "--state-dir=" + stateDir, "--node-name=node-a"}
+	defaults := []string{"--source=dir:" + manifests, "--state-dir=" + stateDir, "--node-name=node-a", "--grpc-listen=127.0.0.1:0"}
 	if err := flags.Parse(append(defaults, args...)); err != nil {
 		t.Fatalf("flags %v: %s", args, err)
 	}

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/hive/cell"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
 )
 
@@ -18,6 +19,8 @@ var Cell = cell.Module(
 	"Local HTTP API on a UNIX socket",
 
 	cell.Config(DefaultConfig),
+	// Every component registers its metrics here; /metrics serves them.
+	cell.Provide(prometheus.NewRegistry),
 	cell.Invoke(registerServer),
 )
 

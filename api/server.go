@@ -16,20 +16,23 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
 type serverParams struct {
 	cell.In
 
-	Config Config
-	Log    *slog.Logger
-	DB     *statedb.DB
-	Jobs   job.Registry
-	Health cell.Health
+	Config  Config
+	Log     *slog.Logger
+	DB      *statedb.DB
+	Jobs    job.Registry
+	Health  cell.Health
+	Metrics *prometheus.Registry
 }
 
 // StatedbPrefix is where statedb's HTTP API (/dump, /dump/TABLE, /query,
-// /changes/TABLE) is mounted.
+// /changes/TABLE) is mounted. /metrics and /healthz sit beside it.
 const StatedbPrefix = "/statedb"
 
 func registerServer(p serverParams) error {
@@ -38,6 +41,7 @@ func registerServer(p serverParams) error {
 	}
 	mux := http.NewServeMux()
 	mux.Handle(StatedbPrefix+"/", http.StripPrefix(StatedbPrefix, p.DB.HTTPHandler()))
+	mux.Handle("GET /metrics", promhttp.HandlerFor(p.Metrics, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		writeHealth(w, p.DB)
 	})

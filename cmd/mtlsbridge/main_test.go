@@ -62,7 +62,7 @@ func TestDBCommandsAgainstRunningAgent(t *testing.T) {
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)
 	if err := flags.Parse([]string{"--source=dir:../../testdata/demo", "--state-dir=" + stateDir,
-		"--shell-sock-path=" + api.ShellSocketPath(stateDir), "--node-name=node-a"}); err != nil {
+		"--shell-sock-path=" + api.ShellSocketPath(stateDir), "--node-name=node-a", "--grpc-listen=127.0.0.1:0"}); err != nil {
 		t.Fatal(err)
 	}
 	log := hivetest.Logger(t)

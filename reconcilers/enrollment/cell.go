@@ -14,7 +14,7 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
 
-	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
 )
 
 // Cell provides the enrollments table and keeps it derived.
@@ -38,7 +38,7 @@ type Config struct {
 }
 
 var defaultConfig = Config{
-	TrustDomain:        identity.DefaultTrustDomain,
+	TrustDomain:        spiffe.DefaultTrustDomain,
 	ExcludedNamespaces: []string{"kube-system"},
 }
 
@@ -53,7 +53,7 @@ func (c Config) excluded(namespace string) bool {
 }
 
 func (c Config) validate() error {
-	if err := identity.ValidateTrustDomain(c.TrustDomain); err != nil {
+	if err := spiffe.ValidateTrustDomain(c.TrustDomain); err != nil {
 		return fmt.Errorf("--trust-domain: %w", err)
 	}
 	return nil

@@ -5,7 +5,7 @@ package enrollment
 import (
 	"github.com/cilium/statedb"
 
-	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -84,9 +84,9 @@ func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
 	}
 
 	if e.Enrolled {
-		e.SpiffeID = identity.WorkloadID(cfg.TrustDomain, pod.Namespace, pod.ServiceAccountOrDefault())
+		e.SpiffeID = spiffe.WorkloadID(cfg.TrustDomain, pod.Namespace, pod.ServiceAccountOrDefault())
 		if ep, _, found := in.endpoints.Get(in.txn, tables.EndpointByKey(pod.Key())); found && ep.Identity != 0 {
-			e.IdentitySpiffeID = identity.CiliumIdentityID(cfg.TrustDomain, ep.Identity)
+			e.IdentitySpiffeID = spiffe.CiliumIdentityID(cfg.TrustDomain, ep.Identity)
 		}
 	}
 	return e

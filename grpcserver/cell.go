@@ -1,0 +1,96 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package grpcserver runs the TLS gRPC listener the node's mTLS agent talks
+// to (delta xDS and the certificate authority) and authenticates its
+// callers: only this node's mTLS agent pod gets an answer.
+package grpcserver
+
+import (
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/spf13/pflag"
+	"google.golang.org/grpc"
+)
+
+// Cell serves the registered gRPC services and provides the authenticator.
+var Cell = cell.Module(
+	"grpc",
+	"TLS gRPC listener for the mTLS agent",
+
+	cell.Config(defaultConfig),
+	// Services (xDS, CA) authenticate their callers with it.
+	cell.Provide(newAuthenticator),
+	// Counts refused callers by reason.
+	cell.Provide(newMetrics),
+	// The listener; tests ask it for its address.
+	cell.Provide(newServer),
+	cell.Invoke(func(*Server) {}),
+)
+
+// Config of the listener and of caller authentication.
+type Config struct {
+	// GRPCListen is the host:port of the listener (flag --grpc-listen).
+	GRPCListen string
+	// GRPCCert and GRPCKey are the serving certificate and key files; when
+	// empty the project's CA issues the serving certificate.
+	GRPCCert string
+	GRPCKey  string
+	// TokenFile holds "TOKEN NAMESPACE/POD" lines: the callers of the
+	// manifest-folder mode. Kubernetes mode uses TokenReview instead.
+	TokenFile string
+	// TokenAudiences are the audiences a TokenReview accepts (ztunnel's
+	// default token audience is istio-ca).
+	TokenAudiences []string
+	// GRPCMaxMessageBytes bounds a received and a sent message.
+	GRPCMaxMessageBytes int
+}
+
+var defaultConfig = Config{
+	GRPCListen:          "127.0.0.1:15012",
+	TokenAudiences:      []string{"istio-ca"},
+	GRPCMaxMessageBytes: 16 << 20,
+}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(flags *pflag.FlagSet) {
+	flags.String("grpc-listen", def.GRPCListen, "host:port of the TLS gRPC listener (xDS and CA) for the mTLS agent")
+	flags.String("grpc-cert", def.GRPCCert, "Serving certificate (PEM) of the gRPC listener; default: issued by the mtlsbridge CA")
+	flags.String("grpc-key", def.GRPCKey, "Private key (PEM) of --grpc-cert")
+	flags.String("token-file", def.TokenFile, `Folder mode: file of "TOKEN NAMESPACE/POD" lines naming the callers' pods`)
+	flags.StringSlice("token-audiences", def.TokenAudiences, "Kubernetes mode: audiences accepted in TokenReview")
+	flags.Int("grpc-max-message-bytes", def.GRPCMaxMessageBytes, "Largest gRPC message received or sent")
+}
+
+func (c Config) validate() error {
+	if _, _, err := net.SplitHostPort(c.GRPCListen); err != nil {
+		return fmt.Errorf("--grpc-listen=%q: %w", c.GRPCListen, err)
+	}
+	if (c.GRPCCert == "") != (c.GRPCKey == "") {
+		return fmt.Errorf("--grpc-cert and --grpc-key go together")
+	}
+	if c.GRPCMaxMessageBytes < 1<<16 {
+		return fmt.Errorf("--grpc-max-message-bytes=%d: want at least 65536", c.GRPCMaxMessageBytes)
+	}
+	return nil
+}
+
+// Service registers a gRPC service on the server.
+type Service func(*grpc.Server)
+
+// ServiceOut adds a Service to the server.
+type ServiceOut struct {
+	cell.Out
+
+	Service Service `group:"grpc-services"`
+}
+
+// Keepalive as istiod does it: clients may ping every 15 s; the server pings
+// idle connections every 30 s and drops them after 10 s without an answer.
+const (
+	keepaliveMinTime = 15 * time.Second
+	keepaliveTime    = 30 * time.Second
+	keepaliveTimeout = 10 * time.Second
+)

@@ -1,0 +1,424 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package identity_test
+
+import (
+	"bytes"
+	"context"
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"log/slog"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/spf13/pflag"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+	pb "istio.io/api/security/v1alpha1"
+
+	"github.com/mtlsbridge/mtlsbridge/agent"
+	"github.com/mtlsbridge/mtlsbridge/grpcserver"
+	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+)
+
+// testAgent is a running agent on node-a with the CA, reached over gRPC+TLS.
+type testAgent struct {
+	stateDir string
+	client   pb.IstioCertificateServiceClient
+	db       *statedb.DB
+	certs    statedb.Table[*identity.Certificate]
+	metrics  *prometheus.Registry
+	logs     *lockedBuffer
+}
+
+func startAgent(t *testing.T, extraFlags ...string) *testAgent {
+	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(stateDir) })
+	tokens := filepath.Join(stateDir, "tokens")
+	// tok-a: this node's agent; tok-b: the other node's agent; tok-web: a workload.
+	if err := os.WriteFile(tokens, []byte("tok-a kube-system/ztunnel-a\ntok-b kube-system/ztunnel-b\ntok-web app/web\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	ta := &testAgent{stateDir: stateDir, logs: &lockedBuffer{}}
+	var (
+		enrollments statedb.Table[*enrollment.Enrollment]
+		server      *grpcserver.Server
+	)
+	h := hive.New(agent.Infrastructure, agent.Cell, cell.Invoke(func(
+		db *statedb.DB, e statedb.Table[*enrollment.Enrollment], c statedb.Table[*identity.Certificate],
+		s *grpcserver.Server, reg *prometheus.Registry) {
+		ta.db, enrollments, ta.certs, server, ta.metrics = db, e, c, s, reg
+	}))
+	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	args := append([]string{"--source=dir:testdata", "--state-dir=" + stateDir, "--node-name=node-a",
+		"--grpc-listen=127.0.0.1:0", "--token-file=" + tokens}, extraFlags...)
+	if err := flags.Parse(args); err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.NewTextHandler(ta.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := h.Start(log, ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Stop(log, context.Background()) })
+
+	// Wait until the enrollments are derived.
+	for {
+		ok, watch := enrollments.Initialized(ta.db.ReadTxn())
+		if ok {
+			break
+		}
+		select {
+		case <-watch:
+		case <-ctx.Done():
+			t.Fatal("enrollments not initialized")
+		}
+	}
+	addr, err := server.Addr(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The client trusts only the bundle the agent wrote, as ztunnel does
+	// with XDS_ROOT_CA.
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(ta.rootPEM(t)) {
+		t.Fatal("root-cert.pem holds no certificate")
+	}
+	conn, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	ta.client = pb.NewIstioCertificateServiceClient(conn)
+	return ta
+}
+
+func (ta *testAgent) rootPEM(t *testing.T) []byte {
+	b, err := os.ReadFile(filepath.Join(ta.stateDir, "ca", identity.RootCertFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func (ta *testAgent) request(token string, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if token != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+	}
+	return ta.client.CreateCertificate(ctx, req)
+}
+
+func newCSR(t testing.TB, key crypto.Signer, uris ...string) string {
+	tmpl := &x509.CertificateRequest{}
+	for _, u := range uris {
+		parsed, err := url.Parse(u)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tmpl.URIs = append(tmpl.URIs, parsed)
+	}
+	der, err := x509.CreateCertificateRequest(rand.Reader, tmpl, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}))
+}
+
+func p256(t testing.TB) crypto.Signer {
+	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}
+
+func parseChain(t *testing.T, chain []string) (*x509.Certificate, []*x509.Certificate) {
+	var certs []*x509.Certificate
+	for _, p := range chain {
+		block, _ := pem.Decode([]byte(p))
+		if block == nil {
+			t.Fatalf("chain element is not PEM: %q", p)
+		}
+		c, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		certs = append(certs, c)
+	}
+	if len(certs) < 2 {
+		t.Fatalf("chain of %d certificates, want leaf and root", len(certs))
+	}
+	return certs[0], certs[1:]
+}
+
+func verify(leaf *x509.Certificate, rootsPEM []byte) error {
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(rootsPEM)
+	_, err := leaf.Verify(x509.VerifyOptions{Roots: pool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+	return err
+}
+
+const webID = "spiffe://cluster.local/ns/app/sa/web"
+
+func TestCAIssuesOnlyWhatItCanProve(t *testing.T) {
+	ta := startAgent(t)
+	key := p256(t)
+
+	// Valid requests: both identity schemes of web, an enrolled pod on this
+	// node, asked by this node's agent; with and without impersonation.
+	for _, tc := range []struct {
+		id       string
+		validity int64
+		meta     *structpb.Struct
+		wantTTL  time.Duration
+	}{
+		{id: webID, validity: 3600, wantTTL: time.Hour},
+		{id: "spiffe://cluster.local/identity/4242", validity: 0, wantTTL: 24 * time.Hour},
+		{id: webID, validity: 7 * 86400, wantTTL: 24 * time.Hour, // capped at --ca-max-cert-ttl
+			meta: &structpb.Struct{Fields: map[string]*structpb.Value{"ImpersonatedIdentity": structpb.NewStringValue(webID)}}},
+	} {
+		resp, err := ta.request("tok-a", &pb.IstioCertificateRequest{Csr: newCSR(t, key, tc.id), ValidityDuration: tc.validity, Metadata: tc.meta})
+		if err != nil {
+			t.Fatalf("%s: %v", tc.id, err)
+		}
+		leaf, roots := parseChain(t, resp.CertChain)
+		if len(leaf.URIs) != 1 || leaf.URIs[0].String() != tc.id || len(leaf.DNSNames)+len(leaf.IPAddresses) != 0 {
+			t.Errorf("%s: leaf SANs %v %v %v, want exactly the URI", tc.id, leaf.URIs, leaf.DNSNames, leaf.IPAddresses)
+		}
+		if !leaf.PublicKey.(*ecdsa.PublicKey).Equal(key.Public()) {
+			t.Errorf("%s: leaf is not for the CSR's key", tc.id)
+		}
+		if err := verify(leaf, ta.rootPEM(t)); err != nil {
+			t.Errorf("%s: leaf does not verify against root-cert.pem: %v", tc.id, err)
+		}
+		if !roots[len(roots)-1].IsCA || !bytes.Equal(roots[0].Raw, mustRoot(t, ta.rootPEM(t)).Raw) {
+			t.Errorf("%s: chain does not end with the root", tc.id)
+		}
+		if got := leaf.NotAfter.Sub(leaf.NotBefore) - time.Minute; got < tc.wantTTL-time.Minute || got > tc.wantTTL+time.Minute {
+			t.Errorf("%s: validity %s, want about %s", tc.id, got, tc.wantTTL)
+		}
+		if _, _, found := ta.certs.Get(ta.db.ReadTxn(), identity.CertificateBySerial(leaf.SerialNumber.Text(16))); !found {
+			t.Errorf("%s: serial %x not in the certificates table", tc.id, leaf.SerialNumber)
+		}
+	}
+	if got := testutil.ToFloat64(ta.counter(t, "mtlsbridge_ca_certificates_issued_total", "")); got != 3 {
+		t.Errorf("issued counter = %v, want 3", got)
+	}
+
+	rsa1024, err := rsa.GenerateKey(rand.Reader, 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	badSignature := func() string {
+		block, _ := pem.Decode([]byte(newCSR(t, key, webID)))
+		block.Bytes[len(block.Bytes)-3] ^= 0xff // inside the signature
+		return string(pem.EncodeToMemory(block))
+	}()
+	// Refusals, each with its code and reason.
+	for _, tc := range []struct {
+		name, token, csr string
+		meta             *structpb.Struct
+		code             codes.Code
+		reason           string
+	}{
+		{"no token", "", newCSR(t, key, webID), nil, codes.Unauthenticated, "no authorization metadata"},
+		{"unknown token", "tok-nobody", newCSR(t, key, webID), nil, codes.Unauthenticated, "token not in --token-file"},
+		{"token of a workload pod", "tok-web", newCSR(t, key, webID), nil, codes.PermissionDenied, "is not an mTLS agent"},
+		{"token of the other node's agent", "tok-b", newCSR(t, key, webID), nil, codes.PermissionDenied, "runs on node \"node-b\""},
+		{"identity of a pod on another node", "tok-a", newCSR(t, key, "spiffe://cluster.local/ns/app/sa/api"), nil, codes.PermissionDenied, identity.ReasonNotOnThisNode},
+		{"identity of a non-enrolled pod", "tok-a", newCSR(t, key, "spiffe://cluster.local/ns/app/sa/plain"), nil, codes.PermissionDenied, identity.ReasonNotEnrolled},
+		{"two SANs", "tok-a", newCSR(t, key, webID, "spiffe://cluster.local/identity/4242"), nil, codes.PermissionDenied, identity.ReasonSANs},
+		{"wrong trust domain", "tok-a", newCSR(t, key, "spiffe://evil.example/ns/app/sa/web"), nil, codes.PermissionDenied, identity.ReasonTrustDomain},
+		{"signature does not verify", "tok-a", badSignature, nil, codes.PermissionDenied, identity.ReasonBadSignature},
+		{"weak key", "tok-a", newCSR(t, rsa1024, webID), nil, codes.PermissionDenied, identity.ReasonWeakKey},
+		{"metadata disagrees with SAN", "tok-a", newCSR(t, key, webID),
+			&structpb.Struct{Fields: map[string]*structpb.Value{"ImpersonatedIdentity": structpb.NewStringValue("spiffe://cluster.local/ns/app/sa/api")}},
+			codes.PermissionDenied, identity.ReasonImpersonationMismatch},
+		{"not a CSR", "tok-a", "hello", nil, codes.InvalidArgument, identity.ReasonMalformedCSR},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ta.request(tc.token, &pb.IstioCertificateRequest{Csr: tc.csr, Metadata: tc.meta})
+			st := status.Convert(err)
+			if err == nil || st.Code() != tc.code || !strings.Contains(st.Message(), tc.reason) {
+				t.Fatalf("got %v, want %s containing %q", err, tc.code, tc.reason)
+			}
+		})
+	}
+	for _, reason := range []string{identity.ReasonNotOnThisNode, identity.ReasonNotEnrolled, identity.ReasonSANs,
+		identity.ReasonTrustDomain, identity.ReasonBadSignature, identity.ReasonWeakKey, identity.ReasonImpersonationMismatch} {
+		if got := testutil.ToFloat64(ta.counter(t, "mtlsbridge_ca_requests_refused_total", reason)); got != 1 {
+			t.Errorf("refused{reason=%q} = %v, want 1", reason, got)
+		}
+	}
+	if got := testutil.ToFloat64(ta.counter(t, "mtlsbridge_ca_requests_refused_total", "unauthenticated")); got != 4 {
+		t.Errorf("refused{reason=unauthenticated} = %v, want 4", got)
+	}
+	if n := ta.certs.NumObjects(ta.db.ReadTxn()); n != 3 {
+		t.Errorf("%d certificates listed, want the 3 issued", n)
+	}
+
+	// The CA's private key appears nowhere: not in logs, tables or the bundle.
+	var dump bytes.Buffer
+	ta.db.ReadTxn().WriteJSON(&dump)
+	caKey, err := os.ReadFile(filepath.Join(ta.stateDir, "ca", identity.CAKeyFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyBody := strings.Split(string(caKey), "\n")[1]
+	for what, text := range map[string]string{"logs": ta.logs.String(), "table dump": dump.String(), "bundle": string(ta.rootPEM(t))} {
+		if strings.Contains(text, "PRIVATE KEY") || strings.Contains(text, keyBody) {
+			t.Errorf("the %s contain private key material", what)
+		}
+	}
+	if info, err := os.Stat(filepath.Join(ta.stateDir, "ca", identity.CAKeyFile)); err != nil || info.Mode().Perm() != 0o600 {
+		t.Errorf("CA key file mode %v (%v), want 0600", info.Mode().Perm(), err)
+	}
+}
+
+func mustRoot(t *testing.T, bundle []byte) *x509.Certificate {
+	block, _ := pem.Decode(bundle)
+	c, err := x509.ParseCertificate(block.Bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func (ta *testAgent) counter(t *testing.T, name, reason string) prometheus.Collector {
+	families, err := ta.metrics.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			if reason == "" || (len(m.GetLabel()) == 1 && m.GetLabel()[0].GetValue() == reason) {
+				return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "x"}, func() float64 { return m.GetCounter().GetValue() })
+			}
+		}
+	}
+	return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "x"}, func() float64 { return 0 })
+}
+
+// A restart reuses the CA generated on the first start.
+func TestCAMaterialReusedAcrossRestarts(t *testing.T) {
+	ta := startAgent(t)
+	first := ta.rootPEM(t)
+	dir := filepath.Join(ta.stateDir, "ca")
+	m, err := identity.LoadDir(dir, "cluster.local", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(m.BundlePEM(), first) {
+		t.Fatal("a second load generated new material instead of reusing it")
+	}
+}
+
+// A rotation introduces a new root while the old one stays trusted;
+// certificates of both verify against the bundle during the overlap, and
+// only the new root's after retirement.
+func TestCARotation(t *testing.T) {
+	ta := startAgent(t, "--ca-reload-interval=50ms")
+	key := p256(t)
+	issue := func() *x509.Certificate {
+		resp, err := ta.request("tok-a", &pb.IstioCertificateRequest{Csr: newCSR(t, key, webID)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		leaf, _ := parseChain(t, resp.CertChain)
+		return leaf
+	}
+	dir := filepath.Join(ta.stateDir, "ca")
+	oldLeaf := issue()
+	oldBundle := ta.rootPEM(t)
+
+	if err := identity.RotateDir(dir, "cluster.local"); err != nil {
+		t.Fatal(err)
+	}
+	// The agent picks the rotation up by itself; the bundle grows to two roots.
+	waitFor(t, func() bool { return bytes.Count(ta.rootPEM(t), []byte("BEGIN CERTIFICATE")) == 2 })
+	newLeaf := issue()
+	overlap := ta.rootPEM(t)
+	if err := verify(newLeaf, oldBundle); err == nil {
+		t.Fatal("the new leaf verifies against the old root alone: no new root")
+	}
+	for name, leaf := range map[string]*x509.Certificate{"old": oldLeaf, "new": newLeaf} {
+		if err := verify(leaf, overlap); err != nil {
+			t.Errorf("during the overlap the %s leaf does not verify against the bundle: %v", name, err)
+		}
+	}
+	resp, err := ta.request("tok-a", &pb.IstioCertificateRequest{Csr: newCSR(t, key, webID)})
+	if err != nil || len(resp.CertChain) != 3 {
+		t.Fatalf("chain during the overlap: %d certificates (%v), want leaf and both roots", len(resp.GetCertChain()), err)
+	}
+
+	if err := identity.RetireDir(dir); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool { return bytes.Count(ta.rootPEM(t), []byte("BEGIN CERTIFICATE")) == 1 })
+	if err := verify(oldLeaf, ta.rootPEM(t)); err == nil {
+		t.Error("after retirement the old leaf still verifies")
+	}
+	if err := verify(issue(), ta.rootPEM(t)); err != nil {
+		t.Errorf("after retirement a new leaf does not verify: %v", err)
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met in 10s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}

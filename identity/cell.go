@@ -1,0 +1,225 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package identity
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/grpcserver"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+	"github.com/mtlsbridge/mtlsbridge/tables/source"
+)
+
+// Cell runs the certificate authority of the node's mTLS agent.
+var Cell = cell.Module(
+	"identity",
+	"Certificate authority for the mTLS agent",
+
+	cell.Config(defaultConfig),
+	cell.Provide(newMetrics),
+	// The CA's material, loaded and reloaded by the loader below.
+	cell.Provide(func() *Authority { return &Authority{} }),
+	// The gRPC listener's own certificate comes from this CA unless files are given.
+	cell.Provide(func(a *Authority) grpcserver.ServingCertSource { return a }),
+	// The issued certificates, written only by the CA service.
+	cell.ProvidePrivate(NewCertificatesTable),
+	cell.Provide(statedb.RWTable[*Certificate].ToTable),
+	cell.Provide(newCAService),
+	cell.Invoke(registerLoader),
+)
+
+// Config of the certificate authority.
+type Config struct {
+	// CADir holds the CA material as files (ca-cert.pem, ca-key.pem,
+	// trusted-roots.pem). Default in folder mode: STATE_DIR/ca, generated on
+	// first start. In Kubernetes mode: a mounted Secret, else --ca-secret.
+	CADir string
+	// CASecret is NAMESPACE/NAME of the Secret with the CA material
+	// (Kubernetes mode, when --ca-dir is not set).
+	CASecret string
+	// CAMaxCertTTL bounds the validity a client may ask for.
+	CAMaxCertTTL time.Duration
+	// CADefaultCertTTL is the validity when the client asks for none.
+	CADefaultCertTTL time.Duration
+	// CAReloadInterval is how often the material is checked for a rotation.
+	CAReloadInterval time.Duration
+	// CACertificateRetention is how long an expired certificate stays listed.
+	CACertificateRetention time.Duration
+}
+
+var defaultConfig = Config{
+	CASecret:               "kube-system/mtlsbridge-ca",
+	CAMaxCertTTL:           24 * time.Hour,
+	CADefaultCertTTL:       24 * time.Hour,
+	CAReloadInterval:       10 * time.Second,
+	CACertificateRetention: time.Hour,
+}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(flags *pflag.FlagSet) {
+	flags.String("ca-dir", def.CADir, "Folder with ca-cert.pem, ca-key.pem and optional trusted-roots.pem (default in folder mode: STATE_DIR/ca, generated on first start)")
+	flags.String("ca-secret", def.CASecret, "Kubernetes mode without --ca-dir: NAMESPACE/NAME of the Secret holding the same keys")
+	flags.Duration("ca-max-cert-ttl", def.CAMaxCertTTL, "Longest validity of a workload certificate")
+	flags.Duration("ca-default-cert-ttl", def.CADefaultCertTTL, "Validity of a workload certificate when none is asked for")
+	flags.Duration("ca-reload-interval", def.CAReloadInterval, "How often CA material is re-read (root rotation)")
+	flags.Duration("ca-certificate-retention", def.CACertificateRetention, "How long expired certificates stay in the certificates table")
+}
+
+func (c Config) validate() error {
+	switch {
+	case c.CAMaxCertTTL < minCertTTL:
+		return fmt.Errorf("--ca-max-cert-ttl=%s: want at least %s", c.CAMaxCertTTL, minCertTTL)
+	case c.CADefaultCertTTL < minCertTTL || c.CADefaultCertTTL > c.CAMaxCertTTL:
+		return fmt.Errorf("--ca-default-cert-ttl=%s: want between %s and --ca-max-cert-ttl", c.CADefaultCertTTL, minCertTTL)
+	case c.CAReloadInterval <= 0:
+		return fmt.Errorf("--ca-reload-interval must be positive")
+	}
+	return nil
+}
+
+type caParams struct {
+	cell.In
+
+	Config       Config
+	Enrollment   enrollment.Config
+	LocalNode    tables.LocalNode
+	Log          *slog.Logger
+	Metrics      *Metrics
+	Auth         *grpcserver.Authenticator
+	Authority    *Authority
+	DB           *statedb.DB
+	Enrollments  statedb.Table[*enrollment.Enrollment]
+	Certificates statedb.RWTable[*Certificate]
+}
+
+func newCAService(p caParams) (grpcserver.ServiceOut, error) {
+	if err := p.Config.validate(); err != nil {
+		return grpcserver.ServiceOut{}, err
+	}
+	s := &caService{
+		cfg: p.Config, trustDomain: p.Enrollment.TrustDomain, localNode: p.LocalNode, log: p.Log,
+		metrics: p.Metrics, auth: p.Auth, authority: p.Authority, db: p.DB,
+		enrollments: p.Enrollments, certificates: p.Certificates,
+	}
+	return grpcserver.ServiceOut{Service: s.register}, nil
+}
+
+type loaderParams struct {
+	cell.In
+
+	Config       Config
+	API          api.Config
+	Enrollment   enrollment.Config
+	Log          *slog.Logger
+	Lifecycle    cell.Lifecycle
+	Jobs         job.Registry
+	Health       cell.Health
+	Authority    *Authority
+	Clients      *source.Clients
+	DB           *statedb.DB
+	Certificates statedb.RWTable[*Certificate]
+}
+
+// loader keeps the Authority's material current and writes the trust
+// bundle for clients.
+type loader struct {
+	loaderParams
+	read func(ctx context.Context) (*Material, error)
+}
+
+func registerLoader(p loaderParams) {
+	l := &loader{loaderParams: p}
+	switch dir := p.Config.CADir; {
+	case dir != "":
+		l.read = func(context.Context) (*Material, error) {
+			return LoadDir(dir, p.Enrollment.TrustDomain, p.Clients == nil)
+		}
+	case p.Clients == nil:
+		dir = filepath.Join(p.API.StateDir, "ca")
+		l.read = func(context.Context) (*Material, error) { return LoadDir(dir, p.Enrollment.TrustDomain, true) }
+	default:
+		l.read = l.readSecret
+	}
+	jobs := p.Jobs.NewGroup(p.Health)
+	// Load before the listener starts, so that it has a certificate to serve.
+	p.Lifecycle.Append(cell.Hook{OnStart: func(ctx cell.HookContext) error {
+		l.reload(ctx, nil)
+		return nil
+	}})
+	jobs.Add(
+		job.Timer("reload-ca", func(ctx context.Context) error { l.reload(ctx, nil); return nil }, p.Config.CAReloadInterval),
+		job.Timer("forget-expired-certificates", l.forgetExpired, time.Minute),
+	)
+}
+
+// reload re-reads the material; a failure keeps the material loaded before
+// (a half-written rotation must not stop issuance).
+func (l *loader) reload(ctx context.Context, _ cell.Health) {
+	m, err := l.read(ctx)
+	old, oldErr := l.Authority.Material()
+	switch {
+	case err != nil && oldErr == nil:
+		l.Log.Error("Reloading CA material failed; keeping the loaded material", "error", err)
+		return
+	case err != nil:
+		l.Log.Error("No CA material: certificate requests fail until it is available", "error", err)
+		l.Authority.Set(nil, err)
+		return
+	case equalMaterial(old, m):
+		return
+	}
+	l.Authority.Set(m, nil)
+	bundle := filepath.Join(l.API.StateDir, "ca", RootCertFile)
+	if err := os.MkdirAll(filepath.Dir(bundle), 0o755); err == nil {
+		err = writeFileAtomic(bundle, m.BundlePEM(), 0o644)
+	}
+	l.Log.Info("CA material loaded", "root", m.Root.Subject.CommonName, "trustedOlderRoots", len(m.Trusted),
+		"notAfter", m.Root.NotAfter, "bundle", bundle)
+}
+
+func (l *loader) readSecret(ctx context.Context) (*Material, error) {
+	ns, name, ok := strings.Cut(l.Config.CASecret, "/")
+	if !ok || ns == "" || name == "" {
+		return nil, fmt.Errorf("--ca-secret=%q: want NAMESPACE/NAME", l.Config.CASecret)
+	}
+	secret, err := l.Clients.Kube.CoreV1().Secrets(ns).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("CA secret %s: %w", l.Config.CASecret, err)
+	}
+	m, err := ParseMaterial(secret.Data[CACertFile], secret.Data[CAKeyFile], secret.Data[TrustedRootsFile])
+	if err != nil {
+		return nil, fmt.Errorf("CA secret %s: %w", l.Config.CASecret, err)
+	}
+	return m, nil
+}
+
+// forgetExpired drops certificates expired longer than the retention.
+func (l *loader) forgetExpired(ctx context.Context) error {
+	cutoff := time.Now().Add(-l.Config.CACertificateRetention)
+	txn := l.DB.WriteTxn(l.Certificates)
+	defer txn.Commit()
+	var expired []*Certificate
+	for c := range l.Certificates.All(txn) {
+		if c.NotAfter.Before(cutoff) {
+			expired = append(expired, c)
+		}
+	}
+	for _, c := range expired {
+		l.Certificates.Delete(txn, c)
+	}
+	return nil
+}
