@@ -26,6 +26,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/mtlsbridge/mtlsbridge/agent"
+	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
@@ -53,7 +54,8 @@ func TestKubernetesSource(t *testing.T) {
 	createPod(t, kube, "app", "api", "node-b", map[string]string{"app": "api"}, "10.0.2.1")
 	createPod(t, kube, "app", "ztunnel", "node-a", map[string]string{"cilium.io/redir-type": "proxy"}, "10.0.1.2")
 
-	db, enrollments, policies := startAgent(t, cfg)
+	a := startAgent(t, cfg)
+	db, enrollments, policies := a.db, a.enrollments, a.policies
 	wait := func(what string, cond func(txn statedb.ReadTxn) bool) {
 		t.Helper()
 		deadline := time.After(30 * time.Second)
@@ -168,20 +170,25 @@ func TestKubernetesSource(t *testing.T) {
 	})
 }
 
-func startAgent(t *testing.T, cfg *rest.Config) (*statedb.DB, statedb.Table[*enrollment.Enrollment], statedb.Table[*tables.Policy]) {
+// k8sAgent is an agent running against the test's API server.
+type k8sAgent struct {
+	db          *statedb.DB
+	enrollments statedb.Table[*enrollment.Enrollment]
+	policies    statedb.Table[*tables.Policy]
+	grpc        *grpcserver.Server
+	stateDir    string
+}
+
+func startAgent(t *testing.T, cfg *rest.Config) *k8sAgent {
 	kubeconfig := writeKubeconfig(t, cfg)
 	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
 	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(stateDir) })
 
-	var (
-		db          *statedb.DB
-		enrollments statedb.Table[*enrollment.Enrollment]
-		policies    statedb.Table[*tables.Policy]
-	)
+	a := &k8sAgent{stateDir: stateDir}
 	h := hive.New(agent.Infrastructure, agent.Cell,
-		cell.Invoke(func(d *statedb.DB, e statedb.Table[*enrollment.Enrollment], p statedb.Table[*tables.Policy]) {
-			db, enrollments, policies = d, e, p
+		cell.Invoke(func(d *statedb.DB, e statedb.Table[*enrollment.Enrollment], p statedb.Table[*tables.Policy], s *grpcserver.Server) {
+			a.db, a.enrollments, a.policies, a.grpc = d, e, p, s
 		}))
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)
@@ -191,7 +198,7 @@ func startAgent(t *testing.T, cfg *rest.Config) (*statedb.DB, statedb.Table[*enr
 	defer cancel()
 	must(t, h.Start(log, ctx))
 	t.Cleanup(func() { h.Stop(log, context.Background()) })
-	return db, enrollments, policies
+	return a
 }
 
 // writeKubeconfig writes the admin configuration as a kubeconfig file, so

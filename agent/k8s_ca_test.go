@@ -1,0 +1,171 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package agent_test
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"net/url"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	pb "istio.io/api/security/v1alpha1"
+	authnv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+)
+
+// TestKubernetesCA runs the CA in Kubernetes mode: its material comes from
+// a Secret, callers present projected service account tokens bound to their
+// pod, and TokenReview decides who they are. Only this node's agent pod
+// gets a certificate, and only for a pod of this node.
+func TestKubernetesCA(t *testing.T) {
+	cfg := kubetest.Start(t)
+	kubetest.ApplyCRDs(t, cfg, "../testdata/crds")
+	ctx := t.Context()
+	kube := kubernetes.NewForConfigOrDie(cfg)
+
+	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
+	must(t, err)
+	_, err = kube.CoreV1().Secrets("kube-system").Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca", Namespace: "kube-system"},
+		Data:       map[string][]byte{identity.CACertFile: certPEM, identity.CAKeyFile: keyPEM},
+	}, metav1.CreateOptions{})
+	must(t, err)
+	createNamespace(t, kube, "app", map[string]string{"io.cilium/mtls-enabled": "true"})
+	for _, sa := range [][2]string{{"kube-system", "ztunnel"}, {"app", "web"}} {
+		_, err := kube.CoreV1().ServiceAccounts(sa[0]).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa[1]}}, metav1.CreateOptions{})
+		must(t, err)
+	}
+	agentA := createPodAs(t, kube, "kube-system", "ztunnel-a", "node-a", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "10.0.1.2")
+	agentB := createPodAs(t, kube, "kube-system", "ztunnel-b", "node-b", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "10.0.2.2")
+	createPodAs(t, kube, "app", "web", "node-a", "web", nil, "10.0.1.10")
+
+	a := startAgent(t, cfg)
+	waitEnrolled(t, a, "app/web")
+	client := caClient(t, a)
+
+	tokenFor := func(pod *corev1.Pod, audience string) string {
+		tr, err := kube.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(ctx, pod.Spec.ServiceAccountName, &authnv1.TokenRequest{
+			Spec: authnv1.TokenRequestSpec{
+				Audiences:      []string{audience},
+				BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
+			},
+		}, metav1.CreateOptions{})
+		must(t, err)
+		return tr.Status.Token
+	}
+	request := func(token, id string) (*pb.IstioCertificateResponse, error) {
+		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		must(t, err)
+		u, _ := url.Parse(id)
+		der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{u}}, key)
+		must(t, err)
+		ctx := metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+		return client.CreateCertificate(ctx, &pb.IstioCertificateRequest{
+			Csr: string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})),
+		})
+	}
+
+	const webID = "spiffe://cluster.local/ns/app/sa/web"
+	resp, err := request(tokenFor(agentA, "istio-ca"), webID)
+	if err != nil {
+		t.Fatalf("this node's agent with a bound token: %v", err)
+	}
+	block, _ := pem.Decode([]byte(resp.CertChain[0]))
+	leaf, err := x509.ParseCertificate(block.Bytes)
+	must(t, err)
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(certPEM)
+	if _, err := leaf.Verify(x509.VerifyOptions{Roots: pool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil || leaf.URIs[0].String() != webID {
+		t.Fatalf("leaf %v does not verify against the Secret's root: %v", leaf.URIs, err)
+	}
+
+	for name, tc := range map[string]struct {
+		token, id string
+		code      codes.Code
+	}{
+		"the other node's agent":       {tokenFor(agentB, "istio-ca"), webID, codes.PermissionDenied},
+		"a token for another audience": {tokenFor(agentA, "someone-else"), webID, codes.Unauthenticated},
+		"a token that is not a token":  {"not-a-jwt", webID, codes.Unauthenticated},
+	} {
+		if _, err := request(tc.token, tc.id); status.Code(err) != tc.code {
+			t.Errorf("%s: got %v, want %s", name, err, tc.code)
+		}
+	}
+}
+
+func createPodAs(t *testing.T, kube kubernetes.Interface, ns, name, node, sa string, labels map[string]string, ip string) *corev1.Pod {
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: labels},
+		Spec: corev1.PodSpec{
+			NodeName: node, ServiceAccountName: sa,
+			Containers: []corev1.Container{{Name: "main", Image: "registry.invalid/none"}},
+		},
+	}
+	created, err := kube.CoreV1().Pods(ns).Create(t.Context(), pod, metav1.CreateOptions{})
+	must(t, err)
+	created.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}}
+	updated, err := kube.CoreV1().Pods(ns).UpdateStatus(t.Context(), created, metav1.UpdateOptions{})
+	must(t, err)
+	return updated
+}
+
+func waitEnrolled(t *testing.T, a *k8sAgent, key string) {
+	t.Helper()
+	deadline := time.After(30 * time.Second)
+	for {
+		e, _, found := a.enrollments.Get(a.db.ReadTxn(), enrollment.ByKey(key))
+		if found && e.Enrolled {
+			return
+		}
+		_, watch := a.enrollments.AllWatch(a.db.ReadTxn())
+		select {
+		case <-watch:
+		case <-deadline:
+			t.Fatalf("%s not enrolled in time", key)
+		}
+	}
+}
+
+// caClient dials the agent's gRPC listener trusting only the bundle it wrote.
+func caClient(t *testing.T, a *k8sAgent) pb.IstioCertificateServiceClient {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	addr, err := a.grpc.Addr(ctx)
+	must(t, err)
+	var bundle []byte
+	for bundle == nil {
+		bundle, _ = os.ReadFile(filepath.Join(a.stateDir, "ca", identity.RootCertFile))
+		if bundle == nil {
+			select {
+			case <-ctx.Done():
+				t.Fatal("the agent wrote no root-cert.pem")
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(bundle)
+	conn, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})))
+	must(t, err)
+	t.Cleanup(func() { conn.Close() })
+	return pb.NewIstioCertificateServiceClient(conn)
+}

@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package main
+
+import (
+	"fmt"
+	"path/filepath"
+
+	"github.com/spf13/cobra"
+
+	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
+)
+
+// caCmd rotates the root of a CA folder. The agent picks changes up within
+// --ca-reload-interval.
+func caCmd() *cobra.Command {
+	var stateDir, caDir, trustDomain string
+	dir := func() string {
+		if caDir != "" {
+			return caDir
+		}
+		return filepath.Join(stateDir, "ca")
+	}
+	cmd := &cobra.Command{
+		Use:   "ca",
+		Short: "Rotate the root of the certificate authority (CA folder)",
+	}
+	cmd.PersistentFlags().StringVar(&stateDir, api.StateDirFlag, api.DefaultConfig.StateDir, "State folder of the agent (CA in STATE_DIR/ca)")
+	cmd.PersistentFlags().StringVar(&caDir, "ca-dir", "", "CA folder, when not STATE_DIR/ca")
+	rotate := &cobra.Command{
+		Use:   "rotate",
+		Short: "Start a rotation: a new root signs, the current one stays trusted",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := spiffe.ValidateTrustDomain(trustDomain); err != nil {
+				return fmt.Errorf("--trust-domain: %w", err)
+			}
+			if err := identity.RotateDir(dir(), trustDomain); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "New root in %s; the previous one stays trusted until `mtlsbridge ca retire`.\n", dir())
+			return nil
+		},
+	}
+	rotate.Flags().StringVar(&trustDomain, "trust-domain", spiffe.DefaultTrustDomain, "Trust domain of the new root")
+	retire := &cobra.Command{
+		Use:   "retire",
+		Short: "End a rotation: only the signing root stays trusted",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := identity.RetireDir(dir()); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "Older roots retired in %s.\n", dir())
+			return nil
+		},
+	}
+	cmd.AddCommand(rotate, retire)
+	return cmd
+}
