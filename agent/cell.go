@@ -13,8 +13,10 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/xds"
 )
 
 // Infrastructure is what every mtlsbridge hive needs, tests included.
@@ -32,6 +34,8 @@ var Cell = cell.Group(
 	api.Cell,        // local API: table dumps, health, metrics
 	grpcserver.Cell, // TLS gRPC listener for the mTLS agent, caller authentication
 	identity.Cell,   // certificate authority for the mTLS agent
+	workload.Cell,   // workloads: the Workload API resources of enrolled pods
+	xds.Cell,        // delta xDS for the mTLS agent
 	// The hive shell (all script commands, e.g. db/show) on a socket in the
 	// state folder; cmd sets its path from --state-dir.
 	shell.ServerCell(""),

@@ -29,7 +29,17 @@ type Pod struct {
 	HostNetwork    bool         `json:"hostNetwork,omitempty"`
 	Phase          string       `json:"phase,omitempty"`
 	IPs            []netip.Addr `json:"ips,omitempty"`
+	// RedirectReady is the node agent's published word that the pod's
+	// redirection is in place (annotation mtlsbridge.io/redirect: ready).
+	RedirectReady bool `json:"redirectReady,omitempty"`
 }
+
+// RedirectAnnotation is published on pods whose redirection is in place,
+// with the value RedirectReadyValue, so that every node can tell.
+const (
+	RedirectAnnotation = "mtlsbridge.io/redirect"
+	RedirectReadyValue = "ready"
+)
 
 // Key is the primary key: "namespace/name".
 func (p *Pod) Key() string { return p.Namespace + "/" + p.Name }

@@ -81,6 +81,7 @@ func podFromK8s(p *corev1.Pod) (*tables.Pod, error) {
 		Labels:         tables.NewLabels(p.Labels),
 		HostNetwork:    p.Spec.HostNetwork,
 		Phase:          string(p.Status.Phase),
+		RedirectReady:  p.Annotations[tables.RedirectAnnotation] == tables.RedirectReadyValue,
 	}
 	var errs []error
 	addIP := func(s string) {

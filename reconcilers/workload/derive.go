@@ -1,0 +1,196 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package workload
+
+import (
+	"context"
+	"fmt"
+	"hash/fnv"
+	"log/slog"
+	"strings"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"google.golang.org/protobuf/proto"
+	"istio.io/istio/pkg/workloadapi"
+
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+type derivationParams struct {
+	cell.In
+
+	Config      Config
+	Enrollment  enrollment.Config
+	Log         *slog.Logger
+	DB          *statedb.DB
+	Jobs        job.Registry
+	Health      cell.Health
+	Pods        statedb.Table[*tables.Pod]
+	Enrollments statedb.Table[*enrollment.Enrollment]
+	Workloads   statedb.RWTable[*Workload]
+}
+
+// derivation keeps one Workload per enrolled pod, following the changes of
+// enrollments (who is in) and pods (addresses, redirect readiness).
+type derivation struct {
+	derivationParams
+	pods        statedb.ChangeIterator[*tables.Pod]
+	enrollments statedb.ChangeIterator[*enrollment.Enrollment]
+	initDone    func(statedb.WriteTxn)
+}
+
+func newDerivation(p derivationParams) (*derivation, error) {
+	d := &derivation{derivationParams: p}
+	wtxn := p.DB.WriteTxn(p.Pods, p.Enrollments, p.Workloads)
+	defer wtxn.Abort()
+	var err error
+	if d.pods, err = p.Pods.Changes(wtxn); err != nil {
+		return nil, err
+	}
+	if d.enrollments, err = p.Enrollments.Changes(wtxn); err != nil {
+		return nil, err
+	}
+	d.initDone = p.Workloads.RegisterInitializer(wtxn, "workload")
+	wtxn.Commit()
+	return d, nil
+}
+
+func (d *derivation) run(ctx context.Context, health cell.Health) error {
+	ws := statedb.NewWatchSet()
+	for {
+		ws.Clear()
+		ws.Add(d.step()...)
+		health.OK(fmt.Sprintf("%d workloads", d.Workloads.NumObjects(d.DB.ReadTxn())))
+		if _, err := ws.Wait(ctx, 0); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+	}
+}
+
+// step processes every committed change and returns what to wait on.
+func (d *derivation) step() []<-chan struct{} {
+	txn := d.DB.ReadTxn()
+	dirty := map[string]struct{}{}
+	podChanges, podWatch := d.pods.Next(txn)
+	for c := range podChanges {
+		dirty[c.Object.Key()] = struct{}{}
+	}
+	enrollChanges, enrollWatch := d.enrollments.Next(txn)
+	for c := range enrollChanges {
+		dirty[c.Object.Key()] = struct{}{}
+	}
+	if len(dirty) > 0 {
+		d.update(dirty)
+	}
+	watches := []<-chan struct{}{podWatch, enrollWatch}
+	if d.initDone != nil {
+		if ok, w := d.Enrollments.Initialized(txn); ok {
+			wtxn := d.DB.WriteTxn(d.Workloads)
+			d.initDone(wtxn)
+			wtxn.Commit()
+			d.initDone = nil
+		} else {
+			watches = append(watches, w)
+		}
+	}
+	return watches
+}
+
+func (d *derivation) update(dirty map[string]struct{}) {
+	wtxn := d.DB.WriteTxn(d.Workloads)
+	defer wtxn.Commit()
+	for key := range dirty {
+		ns, name, _ := strings.Cut(key, "/")
+		uid := UID(d.Config.ClusterID, ns, name)
+		old, _, hadOld := d.Workloads.Get(wtxn, ByUID(uid))
+		e, _, enrolled := d.Enrollments.Get(wtxn, enrollment.ByKey(key))
+		pod, _, found := d.Pods.Get(wtxn, tables.PodByKey(key))
+		if !found || !enrolled || !e.Enrolled {
+			if hadOld {
+				d.Workloads.Delete(wtxn, old)
+			}
+			continue
+		}
+		w, err := d.build(uid, pod, e)
+		if err != nil {
+			d.Log.Error("Cannot encode workload", "pod", key, "error", err)
+			continue
+		}
+		if !hadOld || old.Version != w.Version {
+			d.Workloads.Insert(wtxn, w)
+		}
+	}
+}
+
+// build encodes the Workload the mTLS agent needs for a pod (fields as
+// protocols.md lists them).
+func (d *derivation) build(uid string, pod *tables.Pod, e *enrollment.Enrollment) (*Workload, error) {
+	hbone := pod.RedirectReady
+	w := &workloadapi.Workload{
+		Uid:               uid,
+		Name:              pod.Name,
+		Namespace:         pod.Namespace,
+		ServiceAccount:    pod.ServiceAccountOrDefault(),
+		Node:              pod.NodeName,
+		TrustDomain:       d.Enrollment.TrustDomain,
+		ClusterId:         d.Config.ClusterID,
+		WorkloadType:      workloadapi.WorkloadType_POD,
+		WorkloadName:      workloadName(pod),
+		CanonicalName:     canonicalName(pod),
+		CanonicalRevision: canonicalRevision(pod),
+		Status:            workloadapi.WorkloadStatus_HEALTHY,
+	}
+	if hbone {
+		w.TunnelProtocol = workloadapi.TunnelProtocol_HBONE
+	}
+	for _, ip := range pod.IPs {
+		w.Addresses = append(w.Addresses, ip.AsSlice())
+	}
+	addr := &workloadapi.Address{Type: &workloadapi.Address_Workload{Workload: w}}
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(addr)
+	if err != nil {
+		return nil, err
+	}
+	h := fnv.New64a()
+	h.Write(b)
+	return &Workload{
+		UID: uid, Pod: pod.Key(), Node: pod.NodeName, Addresses: pod.IPs,
+		HBONE: hbone, Version: h.Sum64(), Resource: b,
+	}, nil
+}
+
+// Canonical names as Istio derives them from the recommended labels.
+func canonicalName(pod *tables.Pod) string {
+	for _, l := range []string{"service.istio.io/canonical-name", "app.kubernetes.io/name", "app"} {
+		if v := pod.Labels.Get(l); v != "" {
+			return v
+		}
+	}
+	return workloadName(pod)
+}
+
+func canonicalRevision(pod *tables.Pod) string {
+	for _, l := range []string{"service.istio.io/canonical-revision", "app.kubernetes.io/version", "version"} {
+		if v := pod.Labels.Get(l); v != "" {
+			return v
+		}
+	}
+	return "latest"
+}
+
+// workloadName is the pod's name without the generated suffixes of a
+// ReplicaSet pod ("web-7d9f8b6c5-x2x4z" -> "web"), else the pod name.
+func workloadName(pod *tables.Pod) string {
+	if hash := pod.Labels.Get("pod-template-hash"); hash != "" {
+		if i := strings.Index(pod.Name, "-"+hash+"-"); i > 0 {
+			return pod.Name[:i]
+		}
+	}
+	return pod.Name
+}

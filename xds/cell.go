@@ -1,0 +1,99 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package xds serves ztunnel's Workload API to the node's mTLS agent over
+// delta ADS: istio.workload.Address (a Workload per enrolled pod) and
+// istio.security.Authorization. Each stream follows the workloads table
+// with its own change iterator, so pushes are exactly the deltas.
+package xds
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spf13/pflag"
+)
+
+// Cell serves delta xDS on the gRPC listener.
+var Cell = cell.Module(
+	"xds",
+	"Delta xDS Workload API for the mTLS agent",
+
+	cell.Config(defaultConfig),
+	// One row per stream, written only by the streams.
+	cell.ProvidePrivate(NewClientsTable),
+	cell.Provide(statedb.RWTable[*Client].ToTable),
+	cell.Provide(newMetrics),
+	// Registers the ADS service on the gRPC listener.
+	cell.Provide(newServer),
+)
+
+// Type URLs of the Workload API.
+const (
+	AddressType       = "type.googleapis.com/istio.workload.Address"
+	AuthorizationType = "type.googleapis.com/istio.security.Authorization"
+)
+
+// Config of the xDS streams.
+type Config struct {
+	// XDSCoalesce is the least time between two pushes on a stream: the
+	// first change after a quiet period goes out at once, the changes that
+	// follow within the window go out together.
+	XDSCoalesce time.Duration
+	// XDSSendTimeout closes a stream whose client has not taken a response
+	// for this long (it reconnects with initial_resource_versions).
+	XDSSendTimeout time.Duration
+	// XDSMaxResourcesPerResponse splits large pushes (the initial
+	// snapshot) into several responses.
+	XDSMaxResourcesPerResponse int
+}
+
+var defaultConfig = Config{
+	XDSCoalesce:                10 * time.Millisecond,
+	XDSSendTimeout:             30 * time.Second,
+	XDSMaxResourcesPerResponse: 1000,
+}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(flags *pflag.FlagSet) {
+	flags.Duration("xds-coalesce", def.XDSCoalesce, "Least time between two pushes on an xDS stream (the first change after a quiet period goes at once)")
+	flags.Duration("xds-send-timeout", def.XDSSendTimeout, "Close an xDS stream whose client takes no response for this long")
+	flags.Int("xds-max-resources-per-response", def.XDSMaxResourcesPerResponse, "Split pushes into responses of at most this many resources")
+}
+
+func (c Config) validate() error {
+	switch {
+	case c.XDSCoalesce < 0:
+		return fmt.Errorf("--xds-coalesce must not be negative")
+	case c.XDSSendTimeout <= 0:
+		return fmt.Errorf("--xds-send-timeout must be positive")
+	case c.XDSMaxResourcesPerResponse < 1:
+		return fmt.Errorf("--xds-max-resources-per-response must be at least 1")
+	}
+	return nil
+}
+
+// Metrics of the xDS server.
+type Metrics struct {
+	Streams       prometheus.Gauge
+	ResourcesSent *prometheus.CounterVec
+	Nacks         *prometheus.CounterVec
+}
+
+func newMetrics(reg *prometheus.Registry) *Metrics {
+	m := &Metrics{
+		Streams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mtlsbridge_xds_streams", Help: "Open delta xDS streams",
+		}),
+		ResourcesSent: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mtlsbridge_xds_resources_sent_total", Help: "Resources (and removals) sent, by type",
+		}, []string{"type"}),
+		Nacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mtlsbridge_xds_nacks_total", Help: "Responses rejected by clients, by type",
+		}, []string{"type"}),
+	}
+	reg.MustRegister(m.Streams, m.ResourcesSent, m.Nacks)
+	return m
+}

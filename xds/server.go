@@ -1,0 +1,87 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package xds
+
+import (
+	"errors"
+	"io"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	"github.com/mtlsbridge/mtlsbridge/grpcserver"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
+)
+
+type serverParams struct {
+	cell.In
+
+	Config    Config
+	Log       *slog.Logger
+	Metrics   *Metrics
+	Auth      *grpcserver.Authenticator
+	DB        *statedb.DB
+	Workloads statedb.Table[*workload.Workload]
+	Clients   statedb.RWTable[*Client]
+}
+
+// server implements the ADS service: delta only.
+type server struct {
+	discovery.UnimplementedAggregatedDiscoveryServiceServer
+	serverParams
+	nextID atomic.Uint64
+}
+
+func newServer(p serverParams) (grpcserver.ServiceOut, error) {
+	if err := p.Config.validate(); err != nil {
+		return grpcserver.ServiceOut{}, err
+	}
+	s := &server{serverParams: p}
+	return grpcserver.ServiceOut{Service: func(srv *grpc.Server) {
+		discovery.RegisterAggregatedDiscoveryServiceServer(srv, s)
+	}}, nil
+}
+
+// StreamAggregatedResources implements state-of-the-world ADS, which
+// ztunnel never uses.
+func (s *server) StreamAggregatedResources(discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
+	return status.Error(codes.Unimplemented, "state-of-the-world ADS is not served: use DeltaAggregatedResources")
+}
+
+// DeltaAggregatedResources serves one authenticated delta stream.
+func (s *server) DeltaAggregatedResources(grpcStream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
+	ctx := grpcStream.Context()
+	caller, err := s.Auth.AuthenticateAgent(ctx)
+	if err != nil {
+		return err
+	}
+	st := &stream{
+		srv: s, grpc: grpcStream, ctx: ctx,
+		client: &Client{ID: s.nextID.Add(1), Pod: caller.Key(), ConnectedSince: time.Now(), Subscriptions: map[string]string{}},
+		types:  map[string]*typeState{AddressType: {}, AuthorizationType: {}},
+	}
+	if p, ok := peer.FromContext(ctx); ok {
+		st.client.Peer = p.Addr.String()
+	}
+	s.Metrics.Streams.Inc()
+	defer s.Metrics.Streams.Dec()
+	s.Log.Info("xDS stream opened", "stream", st.client.ID, "pod", st.client.Pod, "peer", st.client.Peer)
+
+	err = st.run()
+	st.forget()
+	switch {
+	case err == nil, errors.Is(err, io.EOF), status.Code(err) == codes.Canceled, ctx.Err() != nil:
+		s.Log.Info("xDS stream closed", "stream", st.client.ID)
+		return nil
+	}
+	s.Log.Warn("xDS stream failed", "stream", st.client.ID, "error", err)
+	return err
+}

@@ -1,0 +1,401 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package xds
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"net/netip"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cilium/statedb"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
+)
+
+// typeState is what a stream knows of one resource type.
+type typeState struct {
+	subscribed bool
+	wildcard   bool
+	// names are the explicitly subscribed resource names (on-demand); an
+	// alias ("network/ip") maps to the uid it resolved to.
+	names map[string]string
+	// held is what the client holds: resource name -> version (0 when the
+	// client sent a version we do not recognise: always resent).
+	held map[string]uint64
+}
+
+// interested reports whether the client wants a resource.
+func (t *typeState) interested(uid string) bool {
+	if t.wildcard {
+		return true
+	}
+	for _, resolved := range t.names {
+		if resolved == uid {
+			return true
+		}
+	}
+	return false
+}
+
+// stream is one delta ADS stream. Its loop owns all its state: requests
+// and pushes are handled one at a time.
+type stream struct {
+	srv    *server
+	grpc   discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
+	ctx    context.Context
+	client *Client
+	types  map[string]*typeState
+	nonce  uint64
+
+	changes statedb.ChangeIterator[*workload.Workload]
+	// sendq holds at most one response: a slow client stops the loop from
+	// building more, and changes coalesce in the table meanwhile.
+	sendq   chan *discovery.DeltaDiscoveryResponse
+	sendErr chan error
+}
+
+func (st *stream) run() error {
+	ctx, cancel := context.WithCancel(st.ctx)
+	defer cancel()
+	st.ctx = ctx
+	st.sendq = make(chan *discovery.DeltaDiscoveryResponse, 1)
+	st.sendErr = make(chan error, 1)
+	reqs := make(chan *discovery.DeltaDiscoveryRequest, 16)
+	recvErr := make(chan error, 1)
+	go func() {
+		for {
+			req, err := st.grpc.Recv()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			select {
+			case reqs <- req:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	go func() {
+		for {
+			select {
+			case resp := <-st.sendq:
+				if err := st.grpc.Send(resp); err != nil {
+					st.sendErr <- err
+					return
+				}
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	st.record(func(*Client) {})
+
+	var (
+		changed   <-chan struct{} // closes when the workloads table has news for us
+		throttled <-chan time.Time
+		lastPush  time.Time
+	)
+	for {
+		select {
+		case req := <-reqs:
+			if err := st.handle(req); err != nil {
+				return err
+			}
+			if changed == nil && st.changes != nil && throttled == nil {
+				changed = closedChannel
+			}
+		case err := <-recvErr:
+			return err
+		case err := <-st.sendErr:
+			return err
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-changed:
+			changed = nil
+			if wait := st.srv.Config.XDSCoalesce - time.Since(lastPush); wait > 0 {
+				throttled = time.After(wait)
+				continue
+			}
+			lastPush = time.Now()
+			w, err := st.pushChanges()
+			if err != nil {
+				return err
+			}
+			changed = w
+		case <-throttled:
+			throttled = nil
+			lastPush = time.Now()
+			w, err := st.pushChanges()
+			if err != nil {
+				return err
+			}
+			changed = w
+		}
+	}
+}
+
+var closedChannel = func() <-chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// handle processes one request: ACK/NACK bookkeeping and subscription
+// changes, answering new subscriptions at once.
+func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
+	ts, known := st.types[req.GetTypeUrl()]
+	if !known {
+		st.srv.Log.Warn("xDS request for an unknown type ignored", "stream", st.client.ID, "type", req.GetTypeUrl())
+		return nil
+	}
+	if nonce := req.GetResponseNonce(); nonce != "" {
+		if detail := req.GetErrorDetail(); detail != nil {
+			st.srv.Metrics.Nacks.WithLabelValues(shortType(req.GetTypeUrl())).Inc()
+			st.srv.Log.Warn("xDS response rejected", "stream", st.client.ID, "nonce", nonce, "error", detail.GetMessage())
+			st.record(func(c *Client) {
+				c.Nacks++
+				c.LastNack = fmt.Sprintf("%s: %s", nonce, detail.GetMessage())
+			})
+		} else {
+			st.record(func(c *Client) { c.LastAckNonce = nonce })
+		}
+	}
+
+	first := !ts.subscribed
+	if first {
+		ts.subscribed = true
+		ts.names = map[string]string{}
+		ts.held = map[string]uint64{}
+		// A first request with no names at all is a legacy wildcard.
+		ts.wildcard = len(req.GetResourceNamesSubscribe()) == 0 && len(req.GetResourceNamesUnsubscribe()) == 0
+		for name, v := range req.GetInitialResourceVersions() {
+			version, _ := strconv.ParseUint(v, 16, 64)
+			ts.held[name] = version
+		}
+		if id := req.GetNode().GetId(); id != "" {
+			st.record(func(c *Client) { c.NodeID = id })
+		}
+	}
+	var added []string
+	for _, name := range req.GetResourceNamesSubscribe() {
+		if name == "*" {
+			ts.wildcard = true
+		} else if _, ok := ts.names[name]; !ok {
+			ts.names[name] = ""
+			added = append(added, name)
+		}
+	}
+	for _, name := range req.GetResourceNamesUnsubscribe() {
+		if name == "*" {
+			ts.wildcard = false
+			continue
+		}
+		if uid := ts.names[name]; uid != "" {
+			delete(ts.held, uid)
+		}
+		delete(ts.names, name)
+		delete(ts.held, name)
+	}
+	st.record(func(c *Client) {
+		if ts.wildcard {
+			c.Subscriptions[req.GetTypeUrl()] = "*"
+		} else {
+			c.Subscriptions[req.GetTypeUrl()] = strconv.Itoa(len(ts.names))
+		}
+	})
+	if !first && len(added) == 0 {
+		return nil
+	}
+	if req.GetTypeUrl() == AuthorizationType {
+		return st.answerAuthorization(ts, added)
+	}
+	return st.answerAddresses(ts, first, added)
+}
+
+// answerAuthorization: there are no Authorization resources yet (policy
+// translation comes later); an empty answer is complete. Names the client
+// holds or asks for do not exist.
+func (st *stream) answerAuthorization(ts *typeState, added []string) error {
+	removed := append(slicesOfKeys(ts.held), added...)
+	clear(ts.held)
+	return st.send(AuthorizationType, nil, removed)
+}
+
+// answerAddresses answers a new Address subscription: on the first
+// request the whole current state (what the client does not already hold
+// at the same version, and removal of what it holds that is gone); for
+// names subscribed on demand, the workload they name.
+func (st *stream) answerAddresses(ts *typeState, first bool, added []string) error {
+	var resources []*discovery.Resource
+	var removed []string
+	var txn statedb.ReadTxn
+	if first {
+		// The snapshot is read after the iterator exists, so that no
+		// deletion falls between the two.
+		wtxn := st.srv.DB.WriteTxn(st.srv.Workloads)
+		it, err := st.srv.Workloads.Changes(wtxn)
+		txn = wtxn.Commit()
+		if err != nil {
+			return err
+		}
+		st.changes = it
+		// The iterator's first batch is every workload: the snapshot.
+		changes, _ := it.Next(txn)
+		for c := range changes {
+			if r := st.offer(ts, c.Object); r != nil {
+				resources = append(resources, r)
+			}
+		}
+		for name := range ts.held {
+			if _, _, found := st.srv.Workloads.Get(txn, workload.ByUID(name)); !found {
+				removed = append(removed, name)
+				delete(ts.held, name)
+			}
+		}
+	} else {
+		txn = st.srv.DB.ReadTxn()
+	}
+	for _, name := range added {
+		w := st.resolve(txn, name)
+		if w == nil {
+			removed = append(removed, name)
+			continue
+		}
+		ts.names[name] = w.UID
+		delete(ts.held, w.UID) // asked explicitly: always answer
+		if r := st.offer(ts, w); r != nil {
+			r.Aliases = []string{name}
+			resources = append(resources, r)
+		}
+	}
+	return st.send(AddressType, resources, removed)
+}
+
+// resolve finds the workload an on-demand name means: a uid or "network/ip".
+func (st *stream) resolve(txn statedb.ReadTxn, name string) *workload.Workload {
+	if w, _, found := st.srv.Workloads.Get(txn, workload.ByUID(name)); found {
+		return w
+	}
+	_, ipText, ok := strings.Cut(name, "/")
+	if !ok {
+		return nil
+	}
+	ip, err := netip.ParseAddr(ipText)
+	if err != nil {
+		return nil // "namespace/hostname": no services yet
+	}
+	w, _, found := st.srv.Workloads.Get(txn, workload.ByAddress(ip))
+	if !found {
+		return nil
+	}
+	return w
+}
+
+// offer returns the resource to send for w, or nil when the client is not
+// interested or already holds this version. It records what is sent.
+func (st *stream) offer(ts *typeState, w *workload.Workload) *discovery.Resource {
+	if !ts.interested(w.UID) {
+		return nil
+	}
+	if v, ok := ts.held[w.UID]; ok && v == w.Version {
+		return nil
+	}
+	ts.held[w.UID] = w.Version
+	return &discovery.Resource{
+		Name:     w.UID,
+		Version:  w.VersionString(),
+		Resource: &anypb.Any{TypeUrl: AddressType, Value: w.Resource},
+	}
+}
+
+// pushChanges sends what changed in the workloads table since the last push.
+func (st *stream) pushChanges() (<-chan struct{}, error) {
+	ts := st.types[AddressType]
+	changes, watch := st.changes.Next(st.srv.DB.ReadTxn())
+	var resources []*discovery.Resource
+	var removed []string
+	for c := range changes {
+		if c.Deleted {
+			if _, held := ts.held[c.Object.UID]; held {
+				delete(ts.held, c.Object.UID)
+				removed = append(removed, c.Object.UID)
+			}
+			continue
+		}
+		if r := st.offer(ts, c.Object); r != nil {
+			resources = append(resources, r)
+		}
+	}
+	if len(resources) == 0 && len(removed) == 0 {
+		return watch, nil
+	}
+	return watch, st.send(AddressType, resources, removed)
+}
+
+// send queues responses of at most XDSMaxResourcesPerResponse resources
+// (removals go with the first). An empty answer is still one response.
+func (st *stream) send(typeURL string, resources []*discovery.Resource, removed []string) error {
+	max := st.srv.Config.XDSMaxResourcesPerResponse
+	for first := true; first || len(resources) > 0; first = false {
+		n := min(len(resources), max)
+		st.nonce++
+		resp := &discovery.DeltaDiscoveryResponse{
+			TypeUrl:   typeURL,
+			Resources: resources[:n],
+			Nonce:     strconv.FormatUint(st.nonce, 10),
+		}
+		if first {
+			resp.RemovedResources = removed
+		}
+		resources = resources[n:]
+		timeout := time.NewTimer(st.srv.Config.XDSSendTimeout)
+		select {
+		case st.sendq <- resp:
+			timeout.Stop()
+		case err := <-st.sendErr:
+			timeout.Stop()
+			return err
+		case <-st.ctx.Done():
+			timeout.Stop()
+			return st.ctx.Err()
+		case <-timeout.C:
+			return fmt.Errorf("client took no response for %s: closing the stream", st.srv.Config.XDSSendTimeout)
+		}
+		count := len(resp.Resources) + len(resp.RemovedResources)
+		st.srv.Metrics.ResourcesSent.WithLabelValues(shortType(typeURL)).Add(float64(count))
+		st.record(func(c *Client) { c.ResourcesSent += count })
+	}
+	return nil
+}
+
+// record updates the stream's xds-clients row.
+func (st *stream) record(update func(*Client)) {
+	c := *st.client
+	c.Subscriptions = maps.Clone(st.client.Subscriptions)
+	update(&c)
+	st.client = &c
+	txn := st.srv.DB.WriteTxn(st.srv.Clients)
+	st.srv.Clients.Insert(txn, st.client)
+	txn.Commit()
+}
+
+// forget removes the stream's row.
+func (st *stream) forget() {
+	txn := st.srv.DB.WriteTxn(st.srv.Clients)
+	st.srv.Clients.Delete(txn, st.client)
+	txn.Commit()
+	if st.changes != nil {
+		st.changes.Close()
+	}
+}
+
+func slicesOfKeys(m map[string]uint64) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}

@@ -1,0 +1,384 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package xds_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/statedb"
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/structpb"
+	"istio.io/istio/pkg/workloadapi"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
+	"github.com/mtlsbridge/mtlsbridge/xds"
+)
+
+const (
+	webUID = "Kubernetes//Pod/app/web"
+	apiUID = "Kubernetes//Pod/app/api"
+)
+
+// ztunnel behaves like ztunnel's xDS client: TLS, a bearer token, node
+// metadata on the first request of each type, ACKs.
+type ztunnel struct {
+	t      *testing.T
+	stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesClient
+	cancel context.CancelFunc
+	resps  chan *discovery.DeltaDiscoveryResponse
+	errs   chan error
+}
+
+func connect(t *testing.T, a *agenttest.Agent, token string) (*ztunnel, error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	if token != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token, "clusterid", "Kubernetes")
+	}
+	stream, err := discovery.NewAggregatedDiscoveryServiceClient(a.Dial(t)).DeltaAggregatedResources(ctx)
+	if err != nil {
+		return nil, err
+	}
+	z := &ztunnel{t: t, stream: stream, cancel: cancel, resps: make(chan *discovery.DeltaDiscoveryResponse, 100), errs: make(chan error, 1)}
+	go func() {
+		for {
+			resp, err := stream.Recv()
+			if err != nil {
+				z.errs <- err
+				return
+			}
+			z.resps <- resp
+		}
+	}()
+	return z, nil
+}
+
+var node = &core.Node{
+	Id: "ztunnel~10.0.1.2~ztunnel-a.kube-system~kube-system.svc.cluster.local",
+	Metadata: &structpb.Struct{Fields: map[string]*structpb.Value{
+		"NAME": structpb.NewStringValue("ztunnel-a"), "NAMESPACE": structpb.NewStringValue("kube-system"),
+		"NODE_NAME": structpb.NewStringValue("node-a"), "CLUSTER_ID": structpb.NewStringValue("Kubernetes"),
+	}},
+}
+
+func (z *ztunnel) send(req *discovery.DeltaDiscoveryRequest) {
+	z.t.Helper()
+	if err := z.stream.Send(req); err != nil {
+		z.t.Fatalf("send: %v", err)
+	}
+}
+
+// subscribe sends the first request of a type: wildcard, or on demand.
+func (z *ztunnel) subscribe(typeURL string, held map[string]string, onDemand bool) {
+	req := &discovery.DeltaDiscoveryRequest{Node: node, TypeUrl: typeURL, InitialResourceVersions: held}
+	if onDemand {
+		req.ResourceNamesSubscribe = []string{"*"}
+		req.ResourceNamesUnsubscribe = []string{"*"}
+	}
+	z.send(req)
+}
+
+func (z *ztunnel) recv() *discovery.DeltaDiscoveryResponse {
+	z.t.Helper()
+	select {
+	case resp := <-z.resps:
+		return resp
+	case err := <-z.errs:
+		z.t.Fatalf("stream ended: %v", err)
+	case <-time.After(10 * time.Second):
+		z.t.Fatal("no response in 10s")
+	}
+	return nil
+}
+
+// recvType receives the next response and checks its type.
+func (z *ztunnel) recvType(typeURL string) *discovery.DeltaDiscoveryResponse {
+	z.t.Helper()
+	resp := z.recv()
+	if resp.TypeUrl != typeURL {
+		z.t.Fatalf("response of type %s, want %s", resp.TypeUrl, typeURL)
+	}
+	return resp
+}
+
+func (z *ztunnel) ack(resp *discovery.DeltaDiscoveryResponse) {
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: resp.TypeUrl, ResponseNonce: resp.Nonce})
+}
+
+// quiet checks that nothing arrives for a while.
+func (z *ztunnel) quiet(d time.Duration) {
+	z.t.Helper()
+	select {
+	case resp := <-z.resps:
+		z.t.Fatalf("unexpected response: %v", resp)
+	case <-time.After(d):
+	}
+}
+
+func names(resp *discovery.DeltaDiscoveryResponse) []string {
+	var out []string
+	for _, r := range resp.Resources {
+		out = append(out, r.Name)
+	}
+	slices.Sort(out)
+	return out
+}
+
+func decode(t *testing.T, r *discovery.Resource) *workloadapi.Workload {
+	t.Helper()
+	if r.Resource.TypeUrl != xds.AddressType {
+		t.Fatalf("inner type %s, want %s", r.Resource.TypeUrl, xds.AddressType)
+	}
+	var addr workloadapi.Address
+	if err := proto.Unmarshal(r.Resource.Value, &addr); err != nil {
+		t.Fatal(err)
+	}
+	return addr.GetWorkload()
+}
+
+func startAgent(t *testing.T) *agenttest.Agent {
+	manifests := t.TempDir()
+	content, err := os.ReadFile("testdata/cluster.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(manifests, "cluster.yaml"), content, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return agenttest.Start(t, manifests, nil, "--xds-coalesce=1ms")
+}
+
+const newPod = `
+apiVersion: v1
+kind: Pod
+metadata: {name: db, namespace: app, labels: {app: db}}
+spec: {nodeName: node-b, serviceAccountName: db}
+status: {phase: Running, podIPs: [{ip: %s}]}
+`
+
+func TestDeltaStream(t *testing.T) {
+	a := startAgent(t)
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// Step 1: wildcard subscriptions to both types are answered at once:
+	// every enrolled pod, and an empty Authorization set.
+	z.subscribe(xds.AddressType, nil, false)
+	z.subscribe(xds.AuthorizationType, nil, false)
+	addrs := z.recvType(xds.AddressType)
+	authz := z.recvType(xds.AuthorizationType)
+	if got := names(addrs); !slices.Equal(got, []string{apiUID, webUID}) {
+		t.Fatalf("initial snapshot %v, want the enrolled pods api and web", got)
+	}
+	if len(authz.Resources) != 0 || len(authz.RemovedResources) != 0 {
+		t.Fatalf("authorization answer %v, want empty", authz)
+	}
+	z.ack(addrs)
+	z.ack(authz)
+
+	// The workloads carry the fields the agent needs; HBONE only where the
+	// redirect is published ready (web), NONE elsewhere (api).
+	for _, r := range addrs.Resources {
+		w := decode(t, r)
+		switch r.Name {
+		case webUID:
+			want := &workloadapi.Workload{
+				Uid: webUID, Name: "web", Namespace: "app", ServiceAccount: "web", Node: "node-a",
+				Addresses: [][]byte{{10, 0, 1, 10}}, TrustDomain: "cluster.local", ClusterId: "Kubernetes",
+				WorkloadType: workloadapi.WorkloadType_POD, TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+				CanonicalName: "web", CanonicalRevision: "v2", WorkloadName: "web",
+				Status: workloadapi.WorkloadStatus_HEALTHY,
+			}
+			if !proto.Equal(w, want) {
+				t.Errorf("web workload\n got %v\nwant %v", w, want)
+			}
+		case apiUID:
+			if w.TunnelProtocol != workloadapi.TunnelProtocol_NONE || w.Node != "node-b" {
+				t.Errorf("api workload: %v, want NONE on node-b", w)
+			}
+		}
+		if r.Version == "" {
+			t.Errorf("%s without a version", r.Name)
+		}
+	}
+
+	// Step 2: a new pod in an enrolled namespace is exactly one resource.
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.30"))
+	resp := z.recvType(xds.AddressType)
+	if got := names(resp); !slices.Equal(got, []string{"Kubernetes//Pod/app/db"}) || len(resp.RemovedResources) != 0 {
+		t.Fatalf("add: %v removed %v, want only app/db", got, resp.RemovedResources)
+	}
+	firstVersion := resp.Resources[0].Version
+	z.ack(resp)
+
+	// Step 3: a change of the pod (its address) is that resource again,
+	// with a new version.
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.31"))
+	resp = z.recvType(xds.AddressType)
+	if got := names(resp); !slices.Equal(got, []string{"Kubernetes//Pod/app/db"}) || resp.Resources[0].Version == firstVersion {
+		t.Fatalf("change: %v, want app/db with a new version", resp)
+	}
+	if w := decode(t, resp.Resources[0]); string(w.Addresses[0]) != string([]byte{10, 0, 2, 31}) {
+		t.Fatalf("change: addresses %v", w.Addresses)
+	}
+	// Step 4: a NACK is recorded and the stream lives on.
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResponseNonce: resp.Nonce,
+		ErrorDetail: status.New(codes.InvalidArgument, "db: unsupported field").Proto()})
+	waitClient(t, a, func(c *xds.Client) bool {
+		return c.Nacks == 1 && c.LastNack == resp.Nonce+": db: unsupported field" && c.Pod == "kube-system/ztunnel-a" &&
+			c.NodeID == node.Id && c.Subscriptions[xds.AddressType] == "*"
+	})
+
+	// Step 5: deleting the pod is exactly its removal.
+	if err := os.Remove(filepath.Join(a.Manifests, "db.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	resp = z.recvType(xds.AddressType)
+	if len(resp.Resources) != 0 || !slices.Equal(resp.RemovedResources, []string{"Kubernetes//Pod/app/db"}) {
+		t.Fatalf("delete: %v, want only the removal of app/db", resp)
+	}
+	z.ack(resp)
+	z.quiet(200 * time.Millisecond)
+}
+
+// A client that reconnects tells what it holds: names that no longer exist
+// come back removed; resources it holds at the current version are not
+// sent again.
+func TestReconnectWithInitialVersions(t *testing.T) {
+	a := startAgent(t)
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.subscribe(xds.AddressType, nil, false)
+	first := z.recvType(xds.AddressType)
+	versions := map[string]string{}
+	for _, r := range first.Resources {
+		versions[r.Name] = r.Version
+	}
+	z.cancel()
+
+	held := map[string]string{
+		webUID:                     versions[webUID], // current
+		apiUID:                     "stale",          // outdated version
+		"Kubernetes//Pod/app/gone": "1234",           // no longer exists
+	}
+	z2, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z2.subscribe(xds.AddressType, held, false)
+	resp := z2.recvType(xds.AddressType)
+	if got := names(resp); !slices.Equal(got, []string{apiUID}) {
+		t.Errorf("resent %v, want only api (web is current)", got)
+	}
+	if !slices.Equal(resp.RemovedResources, []string{"Kubernetes//Pod/app/gone"}) {
+		t.Errorf("removed %v, want the name that no longer exists", resp.RemovedResources)
+	}
+
+	// Authorization: held names come back removed too.
+	z2.subscribe(xds.AuthorizationType, map[string]string{"app/old-policy": "1"}, false)
+	authz := z2.recvType(xds.AuthorizationType)
+	if !slices.Equal(authz.RemovedResources, []string{"app/old-policy"}) {
+		t.Errorf("authorization removed %v, want app/old-policy", authz.RemovedResources)
+	}
+}
+
+// On demand (XDS_ON_DEMAND): the client subscribes and unsubscribes "*",
+// then asks for "network/ip" names; unknown names are answered as removed.
+func TestOnDemand(t *testing.T) {
+	a := startAgent(t)
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.subscribe(xds.AddressType, nil, true)
+	if resp := z.recvType(xds.AddressType); len(resp.Resources)+len(resp.RemovedResources) != 0 {
+		t.Fatalf("on-demand first answer %v, want empty", resp)
+	}
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType,
+		ResourceNamesSubscribe: []string{"/10.0.1.10", "/10.9.9.9", "app/web.app.svc.cluster.local"}})
+	resp := z.recvType(xds.AddressType)
+	if got := names(resp); !slices.Equal(got, []string{webUID}) || !slices.Equal(resp.Resources[0].Aliases, []string{"/10.0.1.10"}) {
+		t.Errorf("on-demand answer %v, want web aliased /10.0.1.10", resp.Resources)
+	}
+	removed := slices.Sorted(slices.Values(resp.RemovedResources))
+	if !slices.Equal(removed, []string{"/10.9.9.9", "app/web.app.svc.cluster.local"}) {
+		t.Errorf("removed %v, want the unknown names", removed)
+	}
+	// Changes of other workloads are not pushed to an on-demand client.
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.30"))
+	z.quiet(300 * time.Millisecond)
+}
+
+func TestRefusedCallers(t *testing.T) {
+	a := startAgent(t)
+	for _, tc := range []struct {
+		token string
+		code  codes.Code
+	}{
+		{"", codes.Unauthenticated},
+		{"tok-nobody", codes.Unauthenticated},
+		{"tok-web", codes.PermissionDenied},
+		{"tok-b", codes.PermissionDenied},
+	} {
+		z, err := connect(t, a, tc.token)
+		if err == nil {
+			// The refusal may come before the request is sent: ignore
+			// the send error, the stream's end tells why.
+			z.stream.Send(&discovery.DeltaDiscoveryRequest{Node: node, TypeUrl: xds.AddressType})
+			select {
+			case err = <-z.errs:
+			case resp := <-z.resps:
+				t.Fatalf("token %q got a response: %v", tc.token, resp)
+			case <-time.After(10 * time.Second):
+				t.Fatalf("token %q: no refusal", tc.token)
+			}
+		}
+		if status.Code(err) != tc.code {
+			t.Errorf("token %q: %v, want %s", tc.token, err, tc.code)
+		}
+	}
+	// State of the world is not served.
+	stream, err := discovery.NewAggregatedDiscoveryServiceClient(a.Dial(t)).StreamAggregatedResources(
+		metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer tok-a"))
+	if err == nil {
+		_, err = stream.Recv()
+	}
+	if status.Code(err) != codes.Unimplemented {
+		t.Errorf("state-of-the-world: %v, want Unimplemented", err)
+	}
+}
+
+func waitClient(t *testing.T, a *agenttest.Agent, cond func(*xds.Client) bool) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		txn := a.DB.ReadTxn()
+		tbl := statedb.AnyTable{Meta: a.DB.GetTable(txn, xds.ClientsTableName)}
+		objs, watch := tbl.AllWatch(txn)
+		for obj := range objs {
+			if cond(obj.(*xds.Client)) {
+				return
+			}
+		}
+		select {
+		case <-watch:
+		case <-deadline:
+			t.Fatal("no xds-clients row as expected")
+		}
+	}
+}
