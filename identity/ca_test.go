@@ -10,123 +10,46 @@ import (
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/rsa"
-	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
-	"log/slog"
 	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
-	"github.com/spf13/pflag"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 	pb "istio.io/api/security/v1alpha1"
 
-	"github.com/mtlsbridge/mtlsbridge/agent"
-	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 )
 
 // testAgent is a running agent on node-a with the CA, reached over gRPC+TLS.
 type testAgent struct {
-	stateDir string
-	client   pb.IstioCertificateServiceClient
-	db       *statedb.DB
-	certs    statedb.Table[*identity.Certificate]
-	metrics  *prometheus.Registry
-	logs     *lockedBuffer
+	*agenttest.Agent
+	client pb.IstioCertificateServiceClient
+	certs  statedb.Table[*identity.Certificate]
 }
 
 func startAgent(t *testing.T, extraFlags ...string) *testAgent {
-	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(stateDir) })
-	tokens := filepath.Join(stateDir, "tokens")
-	// tok-a: this node's agent; tok-b: the other node's agent; tok-web: a workload.
-	if err := os.WriteFile(tokens, []byte("tok-a kube-system/ztunnel-a\ntok-b kube-system/ztunnel-b\ntok-web app/web\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-
-	ta := &testAgent{stateDir: stateDir, logs: &lockedBuffer{}}
-	var (
-		enrollments statedb.Table[*enrollment.Enrollment]
-		server      *grpcserver.Server
-	)
-	h := hive.New(agent.Infrastructure, agent.Cell, cell.Invoke(func(
-		db *statedb.DB, e statedb.Table[*enrollment.Enrollment], c statedb.Table[*identity.Certificate],
-		s *grpcserver.Server, reg *prometheus.Registry) {
-		ta.db, enrollments, ta.certs, server, ta.metrics = db, e, c, s, reg
-	}))
-	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
-	h.RegisterFlags(flags)
-	args := append([]string{"--source=dir:testdata", "--state-dir=" + stateDir, "--node-name=node-a",
-		"--grpc-listen=127.0.0.1:0", "--token-file=" + tokens}, extraFlags...)
-	if err := flags.Parse(args); err != nil {
-		t.Fatal(err)
-	}
-	log := slog.New(slog.NewTextHandler(ta.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := h.Start(log, ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { h.Stop(log, context.Background()) })
-
-	// Wait until the enrollments are derived.
-	for {
-		ok, watch := enrollments.Initialized(ta.db.ReadTxn())
-		if ok {
-			break
-		}
-		select {
-		case <-watch:
-		case <-ctx.Done():
-			t.Fatal("enrollments not initialized")
-		}
-	}
-	addr, err := server.Addr(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The client trusts only the bundle the agent wrote, as ztunnel does
-	// with XDS_ROOT_CA.
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(ta.rootPEM(t)) {
-		t.Fatal("root-cert.pem holds no certificate")
-	}
-	conn, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	ta.client = pb.NewIstioCertificateServiceClient(conn)
+	ta := &testAgent{}
+	ta.Agent = agenttest.Start(t, "testdata", []cell.Cell{
+		cell.Invoke(func(c statedb.Table[*identity.Certificate]) { ta.certs = c }),
+	}, extraFlags...)
+	ta.client = pb.NewIstioCertificateServiceClient(ta.Dial(t))
 	return ta
 }
 
-func (ta *testAgent) rootPEM(t *testing.T) []byte {
-	b, err := os.ReadFile(filepath.Join(ta.stateDir, "ca", identity.RootCertFile))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
+func (ta *testAgent) rootPEM(t *testing.T) []byte { return ta.RootPEM(t) }
 
 func (ta *testAgent) request(token string, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -226,7 +149,7 @@ func TestCAIssuesOnlyWhatItCanProve(t *testing.T) {
 		if got := leaf.NotAfter.Sub(leaf.NotBefore) - time.Minute; got < tc.wantTTL-time.Minute || got > tc.wantTTL+time.Minute {
 			t.Errorf("%s: validity %s, want about %s", tc.id, got, tc.wantTTL)
 		}
-		if _, _, found := ta.certs.Get(ta.db.ReadTxn(), identity.CertificateBySerial(leaf.SerialNumber.Text(16))); !found {
+		if _, _, found := ta.certs.Get(ta.DB.ReadTxn(), identity.CertificateBySerial(leaf.SerialNumber.Text(16))); !found {
 			t.Errorf("%s: serial %x not in the certificates table", tc.id, leaf.SerialNumber)
 		}
 	}
@@ -282,24 +205,24 @@ func TestCAIssuesOnlyWhatItCanProve(t *testing.T) {
 	if got := testutil.ToFloat64(ta.counter(t, "mtlsbridge_ca_requests_refused_total", "unauthenticated")); got != 4 {
 		t.Errorf("refused{reason=unauthenticated} = %v, want 4", got)
 	}
-	if n := ta.certs.NumObjects(ta.db.ReadTxn()); n != 3 {
+	if n := ta.certs.NumObjects(ta.DB.ReadTxn()); n != 3 {
 		t.Errorf("%d certificates listed, want the 3 issued", n)
 	}
 
 	// The CA's private key appears nowhere: not in logs, tables or the bundle.
 	var dump bytes.Buffer
-	ta.db.ReadTxn().WriteJSON(&dump)
-	caKey, err := os.ReadFile(filepath.Join(ta.stateDir, "ca", identity.CAKeyFile))
+	ta.DB.ReadTxn().WriteJSON(&dump)
+	caKey, err := os.ReadFile(filepath.Join(ta.StateDir, "ca", identity.CAKeyFile))
 	if err != nil {
 		t.Fatal(err)
 	}
 	keyBody := strings.Split(string(caKey), "\n")[1]
-	for what, text := range map[string]string{"logs": ta.logs.String(), "table dump": dump.String(), "bundle": string(ta.rootPEM(t))} {
+	for what, text := range map[string]string{"logs": ta.Logs.String(), "table dump": dump.String(), "bundle": string(ta.rootPEM(t))} {
 		if strings.Contains(text, "PRIVATE KEY") || strings.Contains(text, keyBody) {
 			t.Errorf("the %s contain private key material", what)
 		}
 	}
-	if info, err := os.Stat(filepath.Join(ta.stateDir, "ca", identity.CAKeyFile)); err != nil || info.Mode().Perm() != 0o600 {
+	if info, err := os.Stat(filepath.Join(ta.StateDir, "ca", identity.CAKeyFile)); err != nil || info.Mode().Perm() != 0o600 {
 		t.Errorf("CA key file mode %v (%v), want 0600", info.Mode().Perm(), err)
 	}
 }
@@ -314,7 +237,7 @@ func mustRoot(t *testing.T, bundle []byte) *x509.Certificate {
 }
 
 func (ta *testAgent) counter(t *testing.T, name, reason string) prometheus.Collector {
-	families, err := ta.metrics.Gather()
+	families, err := ta.Metrics.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -335,7 +258,7 @@ func (ta *testAgent) counter(t *testing.T, name, reason string) prometheus.Colle
 func TestCAMaterialReusedAcrossRestarts(t *testing.T) {
 	ta := startAgent(t)
 	first := ta.rootPEM(t)
-	dir := filepath.Join(ta.stateDir, "ca")
+	dir := filepath.Join(ta.StateDir, "ca")
 	m, err := identity.LoadDir(dir, "cluster.local", true)
 	if err != nil {
 		t.Fatal(err)
@@ -359,7 +282,7 @@ func TestCARotation(t *testing.T) {
 		leaf, _ := parseChain(t, resp.CertChain)
 		return leaf
 	}
-	dir := filepath.Join(ta.stateDir, "ca")
+	dir := filepath.Join(ta.StateDir, "ca")
 	oldLeaf := issue()
 	oldBundle := ta.rootPEM(t)
 
@@ -404,21 +327,4 @@ func waitFor(t *testing.T, cond func() bool) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

@@ -3,6 +3,7 @@
 package xds
 
 import (
+	"context"
 	"errors"
 	"io"
 	"log/slog"
@@ -33,10 +34,16 @@ type serverParams struct {
 	Clients   statedb.RWTable[*Client]
 }
 
+// authenticator is the part of grpcserver.Authenticator the server uses.
+type authenticator interface {
+	AuthenticateAgent(ctx context.Context) (grpcserver.Caller, error)
+}
+
 // server implements the ADS service: delta only.
 type server struct {
 	discovery.UnimplementedAggregatedDiscoveryServiceServer
 	serverParams
+	auth   authenticator
 	nextID atomic.Uint64
 }
 
@@ -44,7 +51,7 @@ func newServer(p serverParams) (grpcserver.ServiceOut, error) {
 	if err := p.Config.validate(); err != nil {
 		return grpcserver.ServiceOut{}, err
 	}
-	s := &server{serverParams: p}
+	s := &server{serverParams: p, auth: p.Auth}
 	return grpcserver.ServiceOut{Service: func(srv *grpc.Server) {
 		discovery.RegisterAggregatedDiscoveryServiceServer(srv, s)
 	}}, nil
@@ -59,7 +66,7 @@ func (s *server) StreamAggregatedResources(discovery.AggregatedDiscoveryService_
 // DeltaAggregatedResources serves one authenticated delta stream.
 func (s *server) DeltaAggregatedResources(grpcStream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
 	ctx := grpcStream.Context()
-	caller, err := s.Auth.AuthenticateAgent(ctx)
+	caller, err := s.auth.AuthenticateAgent(ctx)
 	if err != nil {
 		return err
 	}

@@ -109,15 +109,16 @@ func (d *derivation) update(dirty map[string]struct{}) {
 		ns, name, _ := strings.Cut(key, "/")
 		uid := UID(d.Config.ClusterID, ns, name)
 		old, _, hadOld := d.Workloads.Get(wtxn, ByUID(uid))
-		e, _, enrolled := d.Enrollments.Get(wtxn, enrollment.ByKey(key))
+		e, _, found := d.Enrollments.Get(wtxn, enrollment.ByKey(key))
+		enrolled := found && e.Enrolled
 		pod, _, found := d.Pods.Get(wtxn, tables.PodByKey(key))
-		if !found || !enrolled || !e.Enrolled {
+		if !found || !enrolled {
 			if hadOld {
 				d.Workloads.Delete(wtxn, old)
 			}
 			continue
 		}
-		w, err := d.build(uid, pod, e)
+		w, err := New(d.Config.ClusterID, d.Enrollment.TrustDomain, pod)
 		if err != nil {
 			d.Log.Error("Cannot encode workload", "pod", key, "error", err)
 			continue
@@ -128,9 +129,11 @@ func (d *derivation) update(dirty map[string]struct{}) {
 	}
 }
 
-// build encodes the Workload the mTLS agent needs for a pod (fields as
-// protocols.md lists them).
-func (d *derivation) build(uid string, pod *tables.Pod, e *enrollment.Enrollment) (*Workload, error) {
+// New encodes the Workload the mTLS agent needs for an enrolled pod
+// (fields as protocols.md lists them). HBONE only when the pod's redirect
+// is published ready.
+func New(clusterID, trustDomain string, pod *tables.Pod) (*Workload, error) {
+	uid := UID(clusterID, pod.Namespace, pod.Name)
 	hbone := pod.RedirectReady
 	w := &workloadapi.Workload{
 		Uid:               uid,
@@ -138,8 +141,8 @@ func (d *derivation) build(uid string, pod *tables.Pod, e *enrollment.Enrollment
 		Namespace:         pod.Namespace,
 		ServiceAccount:    pod.ServiceAccountOrDefault(),
 		Node:              pod.NodeName,
-		TrustDomain:       d.Enrollment.TrustDomain,
-		ClusterId:         d.Config.ClusterID,
+		TrustDomain:       trustDomain,
+		ClusterId:         clusterID,
 		WorkloadType:      workloadapi.WorkloadType_POD,
 		WorkloadName:      workloadName(pod),
 		CanonicalName:     canonicalName(pod),
