@@ -242,17 +242,25 @@ func (st *stream) answerAddresses(ts *typeState, first bool, added []string) err
 			return err
 		}
 		st.changes = it
-		// The iterator's first batch is every workload: the snapshot.
-		changes, _ := it.Next(txn)
-		for c := range changes {
-			if r := st.offer(ts, c.Object); r != nil {
-				resources = append(resources, r)
-			}
-		}
+		// What the client says it holds and is gone must be removed.
 		for name := range ts.held {
 			if _, _, found := st.srv.Workloads.Get(txn, workload.ByUID(name)); !found {
 				removed = append(removed, name)
 				delete(ts.held, name)
+			}
+		}
+		// The iterator's first batch is every workload: the snapshot.
+		n := st.srv.Workloads.NumObjects(txn)
+		if ts.wildcard && len(ts.held) < n {
+			grown := make(map[string]uint64, n)
+			maps.Copy(grown, ts.held)
+			ts.held = grown
+		}
+		alloc := newResourceSlab(n)
+		changes, _ := it.Next(txn)
+		for c := range changes {
+			if r := st.offerFrom(alloc, ts, c.Object); r != nil {
+				resources = append(resources, r)
 			}
 		}
 	} else {
@@ -297,6 +305,10 @@ func (st *stream) resolve(txn statedb.ReadTxn, name string) *workload.Workload {
 // offer returns the resource to send for w, or nil when the client is not
 // interested or already holds this version. It records what is sent.
 func (st *stream) offer(ts *typeState, w *workload.Workload) *discovery.Resource {
+	return st.offerFrom(newResourceSlab(1), ts, w)
+}
+
+func (st *stream) offerFrom(alloc *resourceSlab, ts *typeState, w *workload.Workload) *discovery.Resource {
 	if !ts.interested(w.UID) {
 		return nil
 	}
@@ -304,11 +316,30 @@ func (st *stream) offer(ts *typeState, w *workload.Workload) *discovery.Resource
 		return nil
 	}
 	ts.held[w.UID] = w.Version
-	return &discovery.Resource{
-		Name:     w.UID,
-		Version:  w.VersionString(),
-		Resource: &anypb.Any{TypeUrl: AddressType, Value: w.Resource},
+	r, a := alloc.next()
+	r.Name, r.Version, r.Resource = w.UID, w.VersionString(), a
+	a.TypeUrl, a.Value = AddressType, w.Resource
+	return r
+}
+
+// resourceSlab allocates the resources of a large push in a few blocks
+// rather than two allocations each.
+type resourceSlab struct {
+	resources []discovery.Resource
+	anys      []anypb.Any
+}
+
+func newResourceSlab(n int) *resourceSlab {
+	return &resourceSlab{resources: make([]discovery.Resource, 0, n), anys: make([]anypb.Any, 0, n)}
+}
+
+func (s *resourceSlab) next() (*discovery.Resource, *anypb.Any) {
+	if len(s.resources) == cap(s.resources) {
+		return &discovery.Resource{}, &anypb.Any{}
 	}
+	s.resources = s.resources[:len(s.resources)+1]
+	s.anys = s.anys[:len(s.anys)+1]
+	return &s.resources[len(s.resources)-1], &s.anys[len(s.anys)-1]
 }
 
 // pushChanges sends what changed in the workloads table since the last push.
