@@ -90,15 +90,35 @@ var (
 		FromKey:    ExactKey,
 		FromString: ExactKeyFromString,
 	}
+	// podIPIndex finds pods by address (the bypass check, on-demand xDS).
+	// Not unique: a finished pod may still hold an address reused since.
+	podIPIndex = statedb.Index[*Pod, netip.Addr]{
+		Name: "ip",
+		FromObject: func(p *Pod) index.KeySet {
+			if len(p.IPs) == 0 {
+				return index.KeySet{}
+			}
+			keys := make([]index.Key, len(p.IPs))
+			for i, ip := range p.IPs {
+				keys[i] = index.NetIPAddr(ip)
+			}
+			return index.NewKeySet(keys[0], keys[1:]...)
+		},
+		FromKey:    index.NetIPAddr,
+		FromString: index.NetIPAddrString,
+	}
+
 	// PodByKey queries a pod by "namespace/name".
 	PodByKey = podKeyIndex.Query
 	// PodsByNamespace queries the pods of a namespace.
 	PodsByNamespace = podNamespaceIndex.Query
 	// PodsByNode queries the pods scheduled to a node.
 	PodsByNode = podNodeIndex.Query
+	// PodsByIP queries the pods holding an address.
+	PodsByIP = podIPIndex.Query
 )
 
 // NewPodsTable creates the pods table.
 func NewPodsTable(db *statedb.DB) (statedb.RWTable[*Pod], error) {
-	return statedb.NewTable(db, PodsTableName, podKeyIndex, podNamespaceIndex, podNodeIndex)
+	return statedb.NewTable(db, PodsTableName, podKeyIndex, podNamespaceIndex, podNodeIndex, podIPIndex)
 }

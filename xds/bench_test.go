@@ -168,11 +168,15 @@ func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryService
 	if err != nil {
 		b.Fatal(err)
 	}
+	pods, err := tables.NewPodsTable(t.db)
+	if err != nil {
+		b.Fatal(err)
+	}
 	s := &server{
 		serverParams: serverParams{
 			Config: Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Minute, XDSMaxResourcesPerResponse: defaultConfig.XDSMaxResourcesPerResponse},
 			Log:    slog.New(slog.DiscardHandler), Metrics: newMetrics(prometheus.NewRegistry()),
-			DB: t.db, Workloads: t.workloads, Clients: clients,
+			DB: t.db, Workloads: t.workloads, Clients: clients, Pods: pods, WorkloadConfig: workload.Config{ClusterID: "Kubernetes"},
 		},
 		auth: acceptAll{},
 	}

@@ -20,6 +20,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 type serverParams struct {
@@ -31,7 +32,10 @@ type serverParams struct {
 	Auth      *grpcserver.Authenticator
 	DB        *statedb.DB
 	Workloads statedb.Table[*workload.Workload]
-	Clients   statedb.RWTable[*Client]
+	// Pods resolve on-demand "network/ip" names to workloads.
+	Pods           statedb.Table[*tables.Pod]
+	WorkloadConfig workload.Config
+	Clients        statedb.RWTable[*Client]
 }
 
 // authenticator is the part of grpcserver.Authenticator the server uses.

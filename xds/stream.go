@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // typeState is what a stream knows of one resource type.
@@ -295,11 +296,13 @@ func (st *stream) resolve(txn statedb.ReadTxn, name string) *workload.Workload {
 	if err != nil {
 		return nil // "namespace/hostname": no services yet
 	}
-	w, _, found := st.srv.Workloads.Get(txn, workload.ByAddress(ip))
-	if !found {
-		return nil
+	for pod := range st.srv.Pods.List(txn, tables.PodsByIP(ip)) {
+		uid := workload.UID(st.srv.WorkloadConfig.ClusterID, pod.Namespace, pod.Name)
+		if w, _, found := st.srv.Workloads.Get(txn, workload.ByUID(uid)); found {
+			return w
+		}
 	}
-	return w
+	return nil
 }
 
 // offer returns the resource to send for w, or nil when the client is not

@@ -162,10 +162,7 @@ func New(clusterID, trustDomain string, pod *tables.Pod) (*Workload, error) {
 	}
 	h := fnv.New64a()
 	h.Write(b)
-	return &Workload{
-		UID: uid, Pod: pod.Key(), Node: pod.NodeName, Addresses: pod.IPs,
-		HBONE: hbone, Version: h.Sum64(), Resource: b,
-	}, nil
+	return &Workload{UID: uid, HBONE: hbone, Version: h.Sum64(), Resource: b}, nil
 }
 
 // Canonical names as Istio derives them from the recommended labels.

@@ -9,20 +9,20 @@ import (
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
+	"google.golang.org/protobuf/proto"
+	"istio.io/istio/pkg/workloadapi"
 )
 
 // TableName is the name of the workloads table.
 const TableName = "workloads"
 
 // Workload is what the mTLS agent is told about one enrolled pod: the
-// xDS resource, already encoded, under its resource name.
+// xDS resource, already encoded, under its resource name. Kept lean (what
+// the resource says is decoded for display only): it exists for every
+// enrolled pod of the cluster.
 type Workload struct {
 	// UID is the resource name: CLUSTER_ID//Pod/NAMESPACE/NAME (see UID).
 	UID string `json:"uid"`
-	// Pod is "namespace/name".
-	Pod       string       `json:"pod"`
-	Node      string       `json:"node"`
-	Addresses []netip.Addr `json:"addresses"`
 	// HBONE is true when the pod's redirection is in place, so peers may
 	// tunnel to it; otherwise the agent is told NONE.
 	HBONE bool `json:"hbone"`
@@ -41,15 +41,19 @@ func (w *Workload) TableHeader() []string {
 }
 
 func (w *Workload) TableRow() []string {
-	addrs := make([]string, len(w.Addresses))
-	for i, a := range w.Addresses {
-		addrs[i] = a.String()
+	var addr workloadapi.Address
+	proto.Unmarshal(w.Resource, &addr)
+	wl := addr.GetWorkload()
+	addrs := make([]string, len(wl.GetAddresses()))
+	for i, a := range wl.GetAddresses() {
+		ip, _ := netip.AddrFromSlice(a)
+		addrs[i] = ip.String()
 	}
-	proto := "NONE"
+	protocol := "NONE"
 	if w.HBONE {
-		proto = "HBONE"
+		protocol = "HBONE"
 	}
-	return []string{w.UID, w.Node, strings.Join(addrs, ","), proto, w.VersionString(), strconv.Itoa(len(w.Resource))}
+	return []string{w.UID, wl.GetNode(), strings.Join(addrs, ","), protocol, w.VersionString(), strconv.Itoa(len(w.Resource))}
 }
 
 // UID is the resource name of a pod's workload. It follows Istio's scheme
@@ -70,29 +74,11 @@ var (
 		FromString: index.FromString,
 		Unique:     true,
 	}
-	addressIndex = statedb.Index[*Workload, netip.Addr]{
-		Name: "address",
-		FromObject: func(w *Workload) index.KeySet {
-			if len(w.Addresses) == 0 {
-				return index.KeySet{}
-			}
-			keys := make([]index.Key, len(w.Addresses))
-			for i, a := range w.Addresses {
-				keys[i] = index.NetIPAddr(a)
-			}
-			return index.NewKeySet(keys[0], keys[1:]...)
-		},
-		FromKey:    index.NetIPAddr,
-		FromString: index.NetIPAddrString,
-	}
-
 	// ByUID queries a workload by its resource name.
 	ByUID = uidIndex.Query
-	// ByAddress queries the workloads holding an IP.
-	ByAddress = addressIndex.Query
 )
 
 // NewTable creates the workloads table.
 func NewTable(db *statedb.DB) (statedb.RWTable[*Workload], error) {
-	return statedb.NewTable(db, TableName, uidIndex, addressIndex)
+	return statedb.NewTable(db, TableName, uidIndex)
 }
