@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 
+	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -150,18 +151,9 @@ func namespaceOf(d *derivation, txn statedb.ReadTxn, pod *tables.Pod) *tables.Na
 }
 
 func (d *derivation) run(ctx context.Context, health cell.Health) error {
-	ws := statedb.NewWatchSet()
-	for {
-		ws.Clear()
-		ws.Add(d.step()...)
-		health.OK(fmt.Sprintf("%d pods", d.Enrollments.NumObjects(d.DB.ReadTxn())))
-		if _, err := ws.Wait(ctx, 0); err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			return err
-		}
-	}
+	return reconcilers.RunDerivation(ctx, health, d.step, func() string {
+		return fmt.Sprintf("%d pods", d.Enrollments.NumObjects(d.DB.ReadTxn()))
+	})
 }
 
 // step processes every change committed so far and returns the channels

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"istio.io/istio/pkg/workloadapi"
 
+	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -59,18 +60,9 @@ func newDerivation(p derivationParams) (*derivation, error) {
 }
 
 func (d *derivation) run(ctx context.Context, health cell.Health) error {
-	ws := statedb.NewWatchSet()
-	for {
-		ws.Clear()
-		ws.Add(d.step()...)
-		health.OK(fmt.Sprintf("%d workloads", d.Workloads.NumObjects(d.DB.ReadTxn())))
-		if _, err := ws.Wait(ctx, 0); err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			return err
-		}
-	}
+	return reconcilers.RunDerivation(ctx, health, d.step, func() string {
+		return fmt.Sprintf("%d workloads", d.Workloads.NumObjects(d.DB.ReadTxn()))
+	})
 }
 
 // step processes every committed change and returns what to wait on.
