@@ -6,7 +6,7 @@ BIN       ?= bin/mtlsbridge
 PKGS      ?= ./...
 BENCHTIME ?= 1s
 
-.PHONY: all build test bench lint demo kube-assets clean
+.PHONY: all build test bench lint demo kube-assets clean generate check-generate
 
 all: build
 
@@ -28,6 +28,23 @@ lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
+
+# generate rebuilds the BPF objects and their Go bindings from bpf/*.c
+# (needs clang, llvm and libbpf-dev). The output is committed, so that a
+# build needs no clang.
+generate:
+	$(GO) generate ./bpf/...
+
+# check-generate fails when the committed BPF output is not what the sources
+# generate. Without clang it says so and passes.
+check-generate:
+	@if ! command -v clang >/dev/null 2>&1; then \
+		echo "check-generate: clang not found, skipped"; exit 0; \
+	fi; \
+	$(MAKE) --no-print-directory generate && \
+	if ! git diff --exit-code --stat -- bpf/; then \
+		echo "bpf/: generated files are stale; run make generate and commit them"; exit 1; \
+	fi
 
 # demo runs the agent on the demo manifests and prints what it derived.
 demo: build

@@ -1,0 +1,100 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package bpf_test
+
+import (
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/mtlsbridge/mtlsbridge/bpf"
+)
+
+// Nanoseconds per packet of each program, redirect vs pass, measured with
+// BPF_PROG_TEST_RUN repeating the program b.N times in the kernel (one
+// syscall): ns/op is the cost of one packet, map lookups included.
+//
+//	go test -run '^$' -bench . ./bpf/
+func BenchmarkFromPod(b *testing.B) {
+	objs := loadNode(b)
+	bench(b, objs.FromPod, []decision{
+		{"redirect", packet{src: podA, dst: remote, sport: 40000, dport: 8080}.frame(), podAIf, actRedirect},
+		{"redirect-ipv6", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080}.frame(), podAIf, actRedirect},
+		{"pass-not-enrolled", packet{src: podN, dst: remote, sport: 40000, dport: 8080}.frame(), podNIf, actNext},
+		{"pass-same-node", packet{src: podA, dst: podN, sport: 40000, dport: 8080}.frame(), podAIf, actNext},
+		{"pass-udp", packet{src: podA, dst: remote, sport: 40000, dport: 53, proto: protoUDP}.frame(), podAIf, actNext},
+	})
+}
+
+func BenchmarkNodeIngress(b *testing.B) {
+	objs := loadNode(b)
+	bench(b, objs.NodeIngress, []decision{
+		{"redirect-hbone", packet{src: remote, dst: podA, sport: 41000, dport: 15008}.frame(), 2, actRedirect},
+		{"pass-not-enrolled", packet{src: remote, dst: podN, sport: 41000, dport: 15008}.frame(), 2, actNext},
+		{"pass-enrolled-plaintext", packet{src: remote, dst: podA, sport: 41000, dport: 8080}.frame(), 2, actNext},
+	})
+}
+
+func bench(b *testing.B, prog *ebpf.Program, cases []decision) {
+	for _, c := range cases {
+		b.Run(c.name, func(b *testing.B) {
+			// Check the verdict once, outside the measurement.
+			if got, _ := run(b, prog, c.frame, c.ifindex); got != c.want {
+				b.Fatalf("verdict %d, want %d", int32(got), int32(c.want))
+			}
+			opts := ebpf.RunOptions{
+				Data:    c.frame,
+				Context: skbContext{IngressIfindex: c.ifindex},
+				Repeat:  uint32(b.N),
+				Reset:   b.ResetTimer,
+			}
+			b.ResetTimer()
+			if _, err := prog.Run(&opts); err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+}
+
+// BenchmarkAgentLookup is the cost of the socket lookup in the agent's
+// namespace, paid by packets of enrolled pods after the first of each
+// connection (from-pod) and by non-HBONE packets to enrolled pods
+// (node-ingress).
+func BenchmarkAgentLookup(b *testing.B) {
+	objs := loadNode(b)
+	node, withNetns := agentNamespaces(b)
+	if err := objs.Redirects.Update(bpf.AgentKey, withNetns); err != nil {
+		b.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		prog *ebpf.Program
+		d    decision
+	}{
+		{"from-pod-redirect-agent-connection", objs.FromPod, decision{"", packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, actRedirect}},
+		{"from-pod-pass-own-connection", objs.FromPod, decision{"", packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41001, dport: 9443}.frame(), podAIf, actNext}},
+		{"node-ingress-redirect-reply", objs.NodeIngress, decision{"", packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40000}.frame(), 1, actRedirect}},
+		{"node-ingress-pass-plaintext", objs.NodeIngress, decision{"", packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40001}.frame(), 1, actNext}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			var got uint32
+			err := node.Do(func() (err error) {
+				if got, _, err = runErr(c.prog, c.d.frame, c.d.ifindex); err != nil || got != c.d.want {
+					return err
+				}
+				b.ResetTimer()
+				_, err = c.prog.Run(&ebpf.RunOptions{
+					Data: c.d.frame, Context: skbContext{IngressIfindex: c.d.ifindex},
+					Repeat: uint32(b.N), Reset: b.ResetTimer,
+				})
+				return err
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if got != c.d.want {
+				b.Fatalf("verdict %d, want %d", int32(got), int32(c.d.want))
+			}
+		})
+	}
+}

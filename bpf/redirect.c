@@ -1,0 +1,313 @@
+//go:build ignore
+
+// SPDX-License-Identifier: Apache-2.0
+
+// The datapath of CFP-32759: TCP of enrolled pods is steered, in the kernel,
+// to the node's mTLS agent. Two programs share one map:
+//
+//   from_pod      TCX ingress of a local pod's host-side interface (packets
+//                 the pod sends). New connections of an enrolled pod to an
+//                 address that is not on this node go to the agent, and so
+//                 does the rest of every connection the agent holds.
+//   node_ingress  TCX ingress of the node's uplinks (packets from other
+//                 nodes). HBONE (port 15008) to a local enrolled pod, and
+//                 replies to connections the agent opened in that pod's name,
+//                 go to the agent.
+//
+// Steering = rewrite the destination MAC to the agent's and bpf_redirect to
+// the agent's host-side interface: the packet keeps its IP header, so the
+// agent sees the original destination.
+//
+// Everything the programs do not steer continues down the TCX chain
+// unchanged (TC_ACT_UNSPEC is TCX_NEXT in kernels >= 6.6; the 6.1 UAPI
+// headers of the build machine do not name it).
+
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/ipv6.h>
+#include <linux/pkt_cls.h>
+#include <linux/tcp.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
+
+#define HBONE_PORT 15008
+#define MAX_IPV6_EXT_HEADERS 4
+#define IP_FRAG_OFFSET_MASK 0x1fff
+
+// What a redirect map entry says about its address.
+enum redirect_kind {
+	// A local address that is not enrolled: a destination on this node.
+	REDIRECT_KIND_LOCAL = 1,
+	// A local enrolled pod.
+	REDIRECT_KIND_ENROLLED = 2,
+	// The node's mTLS agent; only under the all-zero key.
+	REDIRECT_KIND_AGENT = 3,
+};
+
+// An IPv6 address; IPv4 addresses are IPv4-mapped (::ffff:a.b.c.d). The
+// all-zero address (::) is never a pod address: it keys the mTLS agent.
+struct redirect_key {
+	__u8 addr[16];
+};
+
+struct redirect_value {
+	// Host-side interface in the node's network namespace.
+	__u32 ifindex;
+	// For the agent: the id of its network namespace as the node sees it
+	// (IFLA_LINK_NETNSID of its interface), or -1 when unknown.
+	__s32 netns_id;
+	enum redirect_kind kind;
+	// MAC address of the interface on the pod's (agent's) side.
+	__u8 mac[ETH_ALEN];
+	__u16 pad;
+};
+
+// Written only by root from user space (pinned 0600), read-only to programs.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct redirect_key);
+	__type(value, struct redirect_value);
+	__uint(map_flags, BPF_F_RDONLY_PROG);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} redirect_map SEC(".maps");
+
+// The parts of a packet the decisions need.
+struct flow {
+	struct redirect_key src;
+	struct redirect_key dst;
+	__be16 sport;
+	__be16 dport;
+	__u8 ipv6;
+	__u8 has_ports; // false for non-first fragments
+	__u8 syn;       // SYN without ACK: the first packet of a connection
+};
+
+static __always_inline void map_ipv4(struct redirect_key *key, __be32 addr)
+{
+	__builtin_memset(key->addr, 0, 10);
+	key->addr[10] = 0xff;
+	key->addr[11] = 0xff;
+	__builtin_memcpy(&key->addr[12], &addr, 4);
+}
+
+// What parse found.
+enum parsed {
+	PARSED_OTHER = 0,  // not TCP
+	PARSED_TCP = 1,    // TCP; ports only when f->has_ports
+	PARSED_UNSURE = 2, // IP, but the transport could not be reached
+};
+
+// pull_headers makes the headers direct packet access reads linear, for the
+// rare packet whose linear part is shorter (e.g. built from fragments).
+static __always_inline void pull_headers(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *data_end = (void *)(long)skb->data_end;
+	__u32 want = skb->len < 128 ? skb->len : 128;
+
+	if (data + want > data_end)
+		bpf_skb_pull_data(skb, want);
+}
+
+// parse fills f with the addresses and, for TCP, the ports.
+static __always_inline enum parsed parse(struct __sk_buff *skb, struct flow *f)
+{
+	void *data = (void *)(long)skb->data;
+	void *data_end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	void *l4;
+
+	if ((void *)(eth + 1) > data_end)
+		return PARSED_OTHER;
+
+	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+
+		if ((void *)(ip + 1) > data_end || ip->ihl < 5)
+			return PARSED_OTHER;
+		if (ip->protocol != IPPROTO_TCP)
+			return PARSED_OTHER;
+		map_ipv4(&f->src, ip->saddr);
+		map_ipv4(&f->dst, ip->daddr);
+		f->ipv6 = 0;
+		if (ip->frag_off & bpf_htons(IP_FRAG_OFFSET_MASK))
+			return PARSED_TCP; // a later fragment: no ports
+		l4 = (void *)ip + ip->ihl * 4;
+	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		__u8 next;
+
+		if ((void *)(ip6 + 1) > data_end)
+			return PARSED_OTHER;
+		__builtin_memcpy(f->src.addr, &ip6->saddr, 16);
+		__builtin_memcpy(f->dst.addr, &ip6->daddr, 16);
+		f->ipv6 = 1;
+		next = ip6->nexthdr;
+		l4 = ip6 + 1;
+		// Extension headers are skipped up to a bound; past it the
+		// packet is reported unsure, so that they cannot carry an
+		// enrolled pod's TCP past the program.
+#pragma unroll
+		for (int i = 0; i <= MAX_IPV6_EXT_HEADERS; i++) {
+			struct {
+				__u8 next;
+				__u8 len;
+				__be16 frag_off; // fragment header only
+			} *ext = l4;
+
+			if (next != IPPROTO_HOPOPTS && next != IPPROTO_ROUTING &&
+			    next != IPPROTO_DSTOPTS && next != IPPROTO_FRAGMENT)
+				break;
+			if (i == MAX_IPV6_EXT_HEADERS || (void *)(ext + 1) > data_end)
+				return PARSED_UNSURE;
+			if (next == IPPROTO_FRAGMENT) {
+				if (ext->frag_off & bpf_htons(0xfff8))
+					// A later fragment: no ports.
+					return ext->next == IPPROTO_TCP ? PARSED_TCP : PARSED_OTHER;
+				next = ext->next;
+				l4 += 8;
+				continue;
+			}
+			next = ext->next;
+			l4 += (ext->len + 1) * 8;
+		}
+		if (next != IPPROTO_TCP)
+			return PARSED_OTHER;
+	} else {
+		return PARSED_OTHER;
+	}
+
+	struct tcphdr *tcp = l4;
+	if ((void *)(tcp + 1) > data_end)
+		return PARSED_TCP; // truncated: no ports
+	f->sport = tcp->source;
+	f->dport = tcp->dest;
+	f->has_ports = 1;
+	f->syn = tcp->syn && !tcp->ack;
+	return PARSED_TCP;
+}
+
+static __always_inline struct redirect_value *lookup(struct redirect_key *key)
+{
+	return bpf_map_lookup_elem(&redirect_map, key);
+}
+
+static __always_inline struct redirect_value *agent(void)
+{
+	struct redirect_key key = {};
+	struct redirect_value *v = lookup(&key);
+
+	if (!v || v->kind != REDIRECT_KIND_AGENT)
+		return 0;
+	return v;
+}
+
+// steer hands the packet to the agent's interface, addressed to its MAC.
+static __always_inline int steer(struct __sk_buff *skb, struct redirect_value *to)
+{
+	if (bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_dest), to->mac, ETH_ALEN, 0))
+		return TC_ACT_SHOT;
+	return bpf_redirect(to->ifindex, 0);
+}
+
+// agent_owns reports whether the agent's network namespace has a connection
+// for this packet: one it accepted transparently (it holds the original
+// destination as its own address), or one it opened with the pod's address
+// as source. Both look alike to the lookup: the packet's source and
+// destination are the socket's peer and local address.
+static __always_inline int agent_owns(struct __sk_buff *skb, struct flow *f, struct redirect_value *to)
+{
+	struct bpf_sock_tuple tuple = {};
+	struct bpf_sock *sk;
+	__u32 size;
+	int owned;
+
+	if (to->netns_id < 0)
+		return 0;
+	if (f->ipv6) {
+		__builtin_memcpy(tuple.ipv6.saddr, f->src.addr, 16);
+		__builtin_memcpy(tuple.ipv6.daddr, f->dst.addr, 16);
+		tuple.ipv6.sport = f->sport;
+		tuple.ipv6.dport = f->dport;
+		size = sizeof(tuple.ipv6);
+	} else {
+		__builtin_memcpy(&tuple.ipv4.saddr, &f->src.addr[12], 4);
+		__builtin_memcpy(&tuple.ipv4.daddr, &f->dst.addr[12], 4);
+		tuple.ipv4.sport = f->sport;
+		tuple.ipv4.dport = f->dport;
+		size = sizeof(tuple.ipv4);
+	}
+	// skc: a connection still in its handshake is a request socket, which
+	// the full-socket lookup would hide behind its listener.
+	sk = bpf_skc_lookup_tcp(skb, &tuple, size, (__u32)to->netns_id, 0);
+	if (!sk)
+		return 0;
+	// A listener matches any peer: only a connection proves ownership.
+	owned = sk->state != BPF_TCP_LISTEN;
+	bpf_sk_release(sk);
+	return owned;
+}
+
+SEC("tcx/ingress")
+int from_pod(struct __sk_buff *skb)
+{
+	struct flow f = {};
+	struct redirect_value *src, *to;
+	enum parsed parsed;
+
+	pull_headers(skb);
+	parsed = parse(skb, &f);
+	if (parsed == PARSED_OTHER)
+		return TC_ACT_UNSPEC;
+	src = lookup(&f.src);
+	if (!src || src->kind != REDIRECT_KIND_ENROLLED)
+		return TC_ACT_UNSPEC;
+	// Only the pod's own interface speaks for its address: a packet that
+	// claims an enrolled source elsewhere (including the agent's
+	// interface, where the agent sends in the pod's name) is not steered.
+	if (src->ifindex != skb->ingress_ifindex)
+		return TC_ACT_UNSPEC;
+	// Same-node traffic is not proxied.
+	if (lookup(&f.dst))
+		return TC_ACT_UNSPEC;
+	// What might be TCP but cannot be read never leaves unproxied.
+	if (parsed == PARSED_UNSURE)
+		return TC_ACT_SHOT;
+	to = agent();
+	// Fail closed: an enrolled pod never opens a cross-node connection in
+	// plaintext because the agent is not there yet, and a packet whose
+	// connection cannot be told (no ports) never leaves unproxied.
+	if (!f.has_ports || f.syn)
+		return to ? steer(skb, to) : TC_ACT_SHOT;
+	// Later packets follow their connection: to the agent if it holds it,
+	// else straight on (replies to plaintext clients of the pod, and
+	// connections older than the redirect).
+	if (to && agent_owns(skb, &f, to))
+		return steer(skb, to);
+	return TC_ACT_UNSPEC;
+}
+
+SEC("tcx/ingress")
+int node_ingress(struct __sk_buff *skb)
+{
+	struct flow f = {};
+	struct redirect_value *dst, *to;
+
+	pull_headers(skb);
+	if (parse(skb, &f) != PARSED_TCP || !f.has_ports)
+		return TC_ACT_UNSPEC;
+	dst = lookup(&f.dst);
+	if (!dst || dst->kind != REDIRECT_KIND_ENROLLED)
+		return TC_ACT_UNSPEC;
+	to = agent();
+	if (!to)
+		return TC_ACT_UNSPEC;
+	if (f.dport == bpf_htons(HBONE_PORT) || agent_owns(skb, &f, to))
+		return steer(skb, to);
+	return TC_ACT_UNSPEC;
+}
+
+char __license[] SEC("license") = "Apache-2.0";

@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package bpf holds the datapath of CFP-32759: the C programs (redirect.c),
+// their bpf2go bindings, loading with the map pinned under the agent's bpffs
+// folder, TCX attachment through pinned links, and a typed view of the
+// redirect map. It decides nothing: reconcilers/redirect says what goes in.
+package bpf
+
+import (
+	"errors"
+	"fmt"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+)
+
+// MapName is the redirect map's pin name under the bpffs root.
+const MapName = "redirect_map"
+
+// Objects are the loaded programs and the redirect map.
+type Objects struct {
+	// FromPod runs at TCX ingress of local pods' host-side interfaces.
+	FromPod *ebpf.Program
+	// NodeIngress runs at TCX ingress of the node's uplinks.
+	NodeIngress *ebpf.Program
+	// Redirects is the map both programs read.
+	Redirects *RedirectMap
+
+	objs redirectObjects
+	// spare holds second instances of the programs: TCX refuses the same
+	// program twice on one device, and Attach needs two links for a moment.
+	spare redirectPrograms
+}
+
+// Load loads the programs. With root set, the redirect map is the one
+// pinned at root/redirect_map, reused with its entries when it exists and
+// pinned there otherwise: a restarted agent keeps steering without a gap.
+// root must have been prepared with PrepareRoot. With root empty, the map is
+// private to the returned objects (tests, benchmarks).
+//
+// Possible errors: ErrUnsafePin when the pinned map is writable by others
+// than root; an error wrapping ebpf.ErrMapIncompatible when the pinned map
+// has another layout (a newer or older agent); ebpf.VerifierError; a
+// permission error without CAP_BPF.
+func Load(root string) (*Objects, error) {
+	spec, err := loadRedirect()
+	if err != nil {
+		return nil, err
+	}
+	opts := &ebpf.CollectionOptions{}
+	if root == "" {
+		for _, m := range spec.Maps {
+			m.Pinning = ebpf.PinNone
+		}
+	} else {
+		if err := checkPinOwner(filepath.Join(root, MapName)); err != nil {
+			return nil, err
+		}
+		opts.Maps.PinPath = root
+	}
+	o := &Objects{}
+	if err := spec.LoadAndAssign(&o.objs, opts); err != nil {
+		return nil, fmt.Errorf("load redirect programs: %w", err)
+	}
+	spareOpts := &ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{MapName: o.objs.RedirectMap}}
+	if err := spec.LoadAndAssign(&o.spare, spareOpts); err != nil {
+		o.objs.Close()
+		return nil, fmt.Errorf("load redirect programs (spare): %w", err)
+	}
+	o.FromPod = o.objs.FromPod
+	o.NodeIngress = o.objs.NodeIngress
+	o.Redirects = &RedirectMap{m: o.objs.RedirectMap}
+	return o, nil
+}
+
+// Close releases the file descriptors. Pinned objects stay, and with them
+// the attached programs and the map entries.
+func (o *Objects) Close() error { return errors.Join(o.objs.Close(), o.spare.Close()) }
+
+// programs returns the program of a hook and its spare instance.
+func (o *Objects) programs(h Hook) (prog, spare *ebpf.Program, err error) {
+	switch h {
+	case HookFromPod:
+		return o.objs.FromPod, o.spare.FromPod, nil
+	case HookNodeIngress:
+		return o.objs.NodeIngress, o.spare.NodeIngress, nil
+	}
+	return nil, nil, fmt.Errorf("hook %q: %w", h, ErrUnknownHook)
+}

@@ -1,0 +1,156 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package bpf_test
+
+import (
+	"errors"
+	"net"
+	"net/netip"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
+)
+
+// TestAgentConnections: packets of connections the agent holds go to the
+// agent, found by a socket lookup in the agent's network namespace:
+//   - from the pod, later packets of a connection the agent accepted in the
+//     name of the remote destination (transparent listener);
+//   - from other nodes, replies to a connection the agent opened in the
+//     pod's name (transparent source).
+//
+// A listener there does not count, and without the namespace id nothing is
+// looked up.
+func TestAgentConnections(t *testing.T) {
+	objs := loadNode(t)
+	node, withNetns := agentNamespaces(t)
+
+	const uplink = 1 // the node namespace's loopback: test runs use it
+	cases := []struct {
+		name    string
+		prog    *ebpf.Program
+		frame   []byte
+		ifindex uint32
+		agent   bpf.Entry
+		want    uint32
+	}{
+		{"node ingress: reply to the agent's connection", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40000}.frame(), uplink, withNetns, actRedirect},
+		{"node ingress: reply to the agent's connection, IPv6", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote6, dst: podA6, sport: 8080, dport: 40000}.frame(), uplink, withNetns, actRedirect},
+		{"node ingress: another connection of the pod", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40001}.frame(), uplink, withNetns, actNext},
+		{"node ingress: to a port the agent listens on", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 41000, dport: 9090}.frame(), uplink, withNetns, actNext},
+		{"from pod: later packet of a connection the agent accepted", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, withNetns, actRedirect},
+		{"from pod: a connection the agent does not hold", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41001, dport: 9443}.frame(), podAIf, withNetns, actNext},
+		{"from pod: agent namespace unknown", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, agentNode, actNext},
+		{"node ingress: agent namespace unknown", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40000}.frame(), uplink, agentNode, actNext},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			must(t, objs.Redirects.Update(bpf.AgentKey, c.agent))
+			var (
+				got uint32
+				out []byte
+			)
+			must(t, node.Do(func() (err error) {
+				got, out, err = runErr(c.prog, c.frame, c.ifindex)
+				return err
+			}))
+			if got != c.want {
+				t.Fatalf("verdict %d, want %d", int32(got), int32(c.want))
+			}
+			if c.want == actRedirect && !(net.HardwareAddr(out[:6]).String() == agentMAC.String()) {
+				t.Fatalf("destination MAC %s, want the agent's %s", net.HardwareAddr(out[:6]), agentMAC)
+			}
+		})
+	}
+}
+
+// connectTransparent opens a socket bound to local, which is not an
+// address of this namespace (IP_TRANSPARENT, as an agent connecting in a
+// pod's name), and starts connecting to remote without waiting.
+func connectTransparent(t testing.TB, local, remote netip.AddrPort) error {
+	family, level, opt := unix.AF_INET, unix.SOL_IP, unix.IP_TRANSPARENT
+	if local.Addr().Is6() {
+		family, level, opt = unix.AF_INET6, unix.SOL_IPV6, unix.IPV6_TRANSPARENT
+	}
+	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	if err := unix.SetsockoptInt(fd, level, opt, 1); err != nil {
+		return err
+	}
+	if err := unix.Bind(fd, sockaddr(local)); err != nil {
+		return err
+	}
+	if err := unix.Connect(fd, sockaddr(remote)); err != nil && !errors.Is(err, unix.EINPROGRESS) {
+		return err
+	}
+	return nil
+}
+
+func sockaddr(ap netip.AddrPort) unix.Sockaddr {
+	if ap.Addr().Is4() {
+		return &unix.SockaddrInet4{Addr: ap.Addr().As4(), Port: int(ap.Port())}
+	}
+	return &unix.SockaddrInet6{Addr: ap.Addr().As16(), Port: int(ap.Port())}
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// agentNamespaces sets up a node namespace and an agent namespace, which
+// the node knows by an id, holding connections of the agent in pod A's and
+// the remote's names. It returns the node namespace and the agent's entry
+// with that id.
+func agentNamespaces(t testing.TB) (*netnstest.NS, bpf.Entry) {
+	node := netnstest.NewNS(t, "mtlsb-node")
+	agent := netnstest.NewNS(t, "mtlsb-agent")
+	// The agent's namespace: a route to the remote range into a veth pair
+	// that goes nowhere, so that connecting sends a SYN nobody answers and
+	// leaves the socket in SYN_SENT, as while waiting for the reply.
+	ah := agent.Netlink(t)
+	must(t, ah.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "void0"}, PeerName: "void1"}))
+	dummy, err := ah.LinkByName("void0")
+	must(t, err)
+	must(t, ah.LinkSetUp(dummy))
+	for _, cidr := range []string{"10.1.0.0/16", "fd00:1::/64", "10.2.0.0/16", "fd00:2::/64"} {
+		_, dst, _ := net.ParseCIDR(cidr)
+		must(t, ah.RouteAdd(&netlink.Route{Dst: dst, LinkIndex: dummy.Attrs().Index}))
+	}
+	must(t, agent.Do(func() error {
+		for _, c := range []struct{ local, remote netip.AddrPort }{
+			{netip.AddrPortFrom(podA, 40000), netip.AddrPortFrom(remote, 8080)},
+			{netip.AddrPortFrom(podA6, 40000), netip.AddrPortFrom(remote6, 8080)},
+			// As accepted from pod A: the agent's end is the destination.
+			{netip.AddrPortFrom(remote, 9443), netip.AddrPortFrom(podA, 41000)},
+		} {
+			if err := connectTransparent(t, c.local, c.remote); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	var listener net.Listener
+	must(t, agent.Do(func() (err error) {
+		listener, err = net.Listen("tcp4", "0.0.0.0:9090")
+		return err
+	}))
+	t.Cleanup(func() { listener.Close() })
+
+	// The node names the agent's namespace with an id, as it does for the
+	// peer of a veth pair.
+	const nsid = 7
+	must(t, node.Netlink(t).SetNetNsIdByFd(int(agent.Handle), nsid))
+	withNetns := agentNode
+	withNetns.NetnsID = nsid
+	return node, withNetns
+}

@@ -1,0 +1,40 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package netnstest_test
+
+import (
+	"net/netip"
+	"testing"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
+)
+
+// TestTopology: pods reach each other over IPv4 and IPv6, across nodes and
+// on one node, with the addresses they were given.
+func TestTopology(t *testing.T) {
+	netnstest.RequirePrivileged(t)
+	n1, n2 := netnstest.NewNodes(t)
+	a := n1.AddPod(t, "a")
+	b := n1.AddPod(t, "b")
+	r := n2.AddPod(t, "r")
+	for _, p := range []*netnstest.Pod{a, b, r} {
+		p.Serve(t, p.Name, 8080, false, p.IP4, p.IP6)
+	}
+	for _, c := range []struct {
+		from, to *netnstest.Pod
+	}{{a, r}, {r, a}, {a, b}} {
+		for _, dst := range []netip.Addr{c.to.IP4, c.to.IP6} {
+			ans, err := c.from.Ask(netip.AddrPortFrom(dst, 8080))
+			if err != nil {
+				t.Fatalf("%s -> %s: %v", c.from.Name, dst, err)
+			}
+			src := c.from.IP4
+			if dst.Is6() {
+				src = c.from.IP6
+			}
+			if ans.Server != c.to.Name || ans.Remote.Addr() != src {
+				t.Fatalf("%s -> %s: answered by %s", c.from.Name, dst, ans)
+			}
+		}
+	}
+}

@@ -1,0 +1,206 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package netnstest
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// Addresses of the topology. Node i (1 or 2) has pod ranges 10.i.0.0/24 and
+// fd00:i::/64 and uplink addresses 192.168.100.i and fd00:ffff::i. Pods
+// use 169.254.1.1 (on the node's loopback) and fe80::1 (on their host-side
+// interface) as gateways.
+const (
+	UplinkName = "up0"
+	podGW4     = "169.254.1.1"
+	podGW6     = "fe80::1"
+	agentTable = 100
+)
+
+// Node is a network namespace standing in for a Kubernetes node.
+type Node struct {
+	*NS
+	Index int
+	// Uplink is the interface towards the other node (named UplinkName).
+	Uplink       netlink.Link
+	Addr4, Addr6 netip.Addr
+	pods         int
+}
+
+// Pod is a network namespace behind a veth pair on its node, as a CNI
+// plugin sets it up: eth0 inside, HostIf on the node.
+type Pod struct {
+	*NS
+	Name     string
+	Node     *Node
+	IP4, IP6 netip.Addr
+	// HostIf and HostIndex name the host-side interface in the node.
+	HostIf    string
+	HostIndex int
+	// MAC is the address of eth0 inside the pod.
+	MAC net.HardwareAddr
+}
+
+// NewNodes creates two nodes joined by a veth pair between their uplinks,
+// each routing the other's pod ranges over it.
+func NewNodes(t testing.TB) (*Node, *Node) {
+	t.Helper()
+	a, b := newNode(t, 1), newNode(t, 2)
+	la := &netlink.Veth{
+		LinkAttrs:     netlink.LinkAttrs{Name: UplinkName},
+		PeerName:      UplinkName,
+		PeerNamespace: netlink.NsFd(b.Handle),
+	}
+	must(t, a.Netlink(t).LinkAdd(la))
+	for _, n := range []*Node{a, b} {
+		h := n.Netlink(t)
+		l, err := h.LinkByName(UplinkName)
+		must(t, err)
+		n.Uplink = l
+		addAddr(t, h, l, n.Addr4, 24)
+		addAddr(t, h, l, n.Addr6, 64)
+		must(t, h.LinkSetUp(l))
+	}
+	route := func(from, to *Node) {
+		h := from.Netlink(t)
+		for _, r := range []struct {
+			dst string
+			gw  netip.Addr
+		}{{fmt.Sprintf("10.%d.0.0/24", to.Index), to.Addr4}, {fmt.Sprintf("fd00:%d::/64", to.Index), to.Addr6}} {
+			_, dst, _ := net.ParseCIDR(r.dst)
+			must(t, h.RouteAdd(&netlink.Route{Dst: dst, Gw: r.gw.AsSlice(), LinkIndex: from.Uplink.Attrs().Index}))
+		}
+	}
+	route(a, b)
+	route(b, a)
+	return a, b
+}
+
+func newNode(t testing.TB, index int) *Node {
+	n := &Node{
+		NS:    NewNS(t, fmt.Sprintf("mtlsb-node%d", index)),
+		Index: index,
+		Addr4: netip.MustParseAddr(fmt.Sprintf("192.168.100.%d", index)),
+		Addr6: netip.MustParseAddr(fmt.Sprintf("fd00:ffff::%d", index)),
+	}
+	for name, v := range map[string]string{
+		"ipv4/ip_forward":                     "1",
+		"ipv6/conf/all/forwarding":            "1",
+		"ipv6/conf/default/accept_dad":        "0",
+		"ipv4/conf/all/rp_filter":             "0",
+		"ipv4/conf/default/rp_filter":         "0",
+		"ipv6/conf/default/keep_addr_on_down": "1",
+	} {
+		n.Sysctl(t, name, v)
+	}
+	h := n.Netlink(t)
+	lo, err := h.LinkByName("lo")
+	must(t, err)
+	addAddr(t, h, lo, netip.MustParseAddr(podGW4), 32)
+	return n
+}
+
+// AddPod creates a pod on the node with the next free addresses.
+func (n *Node) AddPod(t testing.TB, name string) *Pod {
+	t.Helper()
+	n.pods++
+	p := &Pod{
+		NS:     NewNS(t, "mtlsb-"+name),
+		Name:   name,
+		Node:   n,
+		IP4:    netip.MustParseAddr(fmt.Sprintf("10.%d.0.%d", n.Index, 9+n.pods)),
+		IP6:    netip.MustParseAddr(fmt.Sprintf("fd00:%d::%d", n.Index, 9+n.pods)),
+		HostIf: truncate("lxc"+name, unix.IFNAMSIZ-1),
+	}
+	p.Sysctl(t, "ipv6/conf/default/accept_dad", "0")
+	p.Sysctl(t, "ipv4/conf/default/rp_filter", "0")
+	p.Sysctl(t, "ipv4/conf/all/rp_filter", "0")
+
+	nh := n.Netlink(t)
+	must(t, nh.LinkAdd(&netlink.Veth{
+		LinkAttrs:     netlink.LinkAttrs{Name: p.HostIf},
+		PeerName:      "eth0",
+		PeerNamespace: netlink.NsFd(p.Handle),
+	}))
+	host, err := nh.LinkByName(p.HostIf)
+	must(t, err)
+	p.HostIndex = host.Attrs().Index
+	must(t, nh.LinkSetUp(host))
+	addAddr(t, nh, host, netip.MustParseAddr(podGW6), 64)
+	for _, ip := range []netip.Addr{p.IP4, p.IP6} {
+		must(t, nh.RouteAdd(&netlink.Route{Dst: hostPrefix(ip), LinkIndex: p.HostIndex, Scope: netlink.SCOPE_LINK}))
+	}
+
+	ph := p.Netlink(t)
+	eth0, err := ph.LinkByName("eth0")
+	must(t, err)
+	p.MAC = eth0.Attrs().HardwareAddr
+	must(t, ph.LinkSetUp(eth0))
+	addAddr(t, ph, eth0, p.IP4, 32)
+	addAddr(t, ph, eth0, p.IP6, 128)
+	gw4 := netip.MustParseAddr(podGW4)
+	must(t, ph.RouteAdd(&netlink.Route{Dst: hostPrefix(gw4), LinkIndex: eth0.Attrs().Index, Scope: netlink.SCOPE_LINK}))
+	must(t, ph.RouteAdd(&netlink.Route{Gw: gw4.AsSlice(), LinkIndex: eth0.Attrs().Index}))
+	must(t, ph.RouteAdd(&netlink.Route{Gw: net.ParseIP(podGW6), LinkIndex: eth0.Attrs().Index}))
+	return p
+}
+
+// MakeAgent sets the pod up as an mTLS agent captures traffic with TPROXY:
+// every packet arriving on eth0 is delivered locally whatever its
+// destination, so that transparent listeners (Listen with transparent)
+// accept connections addressed to other pods, and transparent sockets
+// (DialFrom) receive the replies to connections made in a pod's name.
+func (p *Pod) MakeAgent(t testing.TB) {
+	t.Helper()
+	h := p.Netlink(t)
+	lo, err := h.LinkByName("lo")
+	must(t, err)
+	for _, family := range []int{unix.AF_INET, unix.AF_INET6} {
+		rule := netlink.NewRule()
+		rule.Family = family
+		rule.IifName = "eth0"
+		rule.Table = agentTable
+		rule.Priority = 100
+		must(t, h.RuleAdd(rule))
+		dst := &net.IPNet{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)}
+		if family == unix.AF_INET6 {
+			dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
+		}
+		must(t, h.RouteAdd(&netlink.Route{Dst: dst, LinkIndex: lo.Attrs().Index, Table: agentTable, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST}))
+	}
+}
+
+// Remove deletes the pod's veth pair, as a CNI plugin does when the pod goes.
+func (p *Pod) Remove(t testing.TB) {
+	t.Helper()
+	h := p.Node.Netlink(t)
+	l, err := h.LinkByName(p.HostIf)
+	must(t, err)
+	must(t, h.LinkDel(l))
+}
+
+func addAddr(t testing.TB, h *netlink.Handle, l netlink.Link, ip netip.Addr, bits int) {
+	t.Helper()
+	addr := &netlink.Addr{IPNet: &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(bits, ip.BitLen())}}
+	if ip.Is6() {
+		addr.Flags = unix.IFA_F_NODAD
+	}
+	must(t, wrap(h.AddrAdd(l, addr), "add %s/%d to %s", ip, bits, l.Attrs().Name))
+}
+
+func hostPrefix(ip netip.Addr) *net.IPNet {
+	return &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(ip.BitLen(), ip.BitLen())}
+}
+
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
+}
