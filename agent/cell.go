@@ -13,6 +13,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/source"
@@ -31,6 +32,7 @@ var Cell = cell.Group(
 	tables.Cell,     // identity of this node
 	source.Cell,     // Kubernetes or manifest folder into tables
 	enrollment.Cell, // enrollments: who is in, and why
+	redirect.Cell,   // redirects and attachments: enrolled pods' TCP steered to the mTLS agent in the kernel
 	api.Cell,        // local API: table dumps, health, metrics
 	grpcserver.Cell, // TLS gRPC listener for the mTLS agent, caller authentication
 	identity.Cell,   // certificate authority for the mTLS agent

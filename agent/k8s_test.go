@@ -192,7 +192,8 @@ func startAgent(t *testing.T, cfg *rest.Config) *k8sAgent {
 		}))
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)
-	must(t, flags.Parse([]string{"--source=k8s", "--kubeconfig=" + kubeconfig, "--state-dir=" + stateDir, "--node-name=node-a", "--grpc-listen=127.0.0.1:0"}))
+	must(t, flags.Parse([]string{"--source=k8s", "--kubeconfig=" + kubeconfig, "--state-dir=" + stateDir, "--node-name=node-a", "--grpc-listen=127.0.0.1:0",
+		"--enable-redirect=false"}))
 	log := hivetest.Logger(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -41,7 +41,10 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	h := hive.New(agent.Infrastructure, agent.Cell)
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)
-	defaults := []string{"--source=dir:" + manifests, "--state-dir=" + stateDir, "--node-name=node-a", "--grpc-listen=127.0.0.1:0"}
+	defaults := []string{"--source=dir:" + manifests, "--state-dir=" + stateDir, "--node-name=node-a", "--grpc-listen=127.0.0.1:0",
+		// The BPF datapath has tests of its own, in namespaces they create;
+		// these must not touch the node's /sys/fs/bpf/mtlsbridge.
+		"--enable-redirect=false"}
 	if err := flags.Parse(append(defaults, args...)); err != nil {
 		t.Fatalf("flags %v: %s", args, err)
 	}

@@ -7,7 +7,10 @@ manifests="$2"
 state="$(mktemp -d /tmp/mtlsbridge-demo.XXXXXX)"
 log="${state}/agent.log"
 
-"${bin}" agent --source="dir:${manifests}" --state-dir="${state}" --node-name=node-a >"${log}" 2>&1 &
+# The demo's pods are manifests, not real pods: no datapath (and no pins in
+# the node's bpffs when run as root).
+"${bin}" agent --source="dir:${manifests}" --state-dir="${state}" --node-name=node-a \
+	--grpc-listen=127.0.0.1:0 --enable-redirect=false >"${log}" 2>&1 &
 agent=$!
 cleanup() {
 	kill "${agent}" 2>/dev/null || true

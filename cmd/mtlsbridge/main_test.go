@@ -33,7 +33,7 @@ func TestAgentRejectsBadFlags(t *testing.T) {
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			cmd := rootCmd()
-			cmd.SetArgs(append([]string{"agent", "--state-dir=" + t.TempDir()}, tc.args...))
+			cmd.SetArgs(append([]string{"agent", "--state-dir=" + t.TempDir(), "--enable-redirect=false", "--grpc-listen=127.0.0.1:0"}, tc.args...))
 			cmd.SetOut(&bytes.Buffer{})
 			cmd.SetErr(&bytes.Buffer{})
 			done := make(chan error, 1)
@@ -62,7 +62,7 @@ func TestDBCommandsAgainstRunningAgent(t *testing.T) {
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)
 	if err := flags.Parse([]string{"--source=dir:../../testdata/demo", "--state-dir=" + stateDir,
-		"--shell-sock-path=" + api.ShellSocketPath(stateDir), "--node-name=node-a", "--grpc-listen=127.0.0.1:0"}); err != nil {
+		"--shell-sock-path=" + api.ShellSocketPath(stateDir), "--node-name=node-a", "--grpc-listen=127.0.0.1:0", "--enable-redirect=false"}); err != nil {
 		t.Fatal(err)
 	}
 	log := hivetest.Logger(t)

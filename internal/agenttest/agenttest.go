@@ -73,8 +73,10 @@ func Start(t testing.TB, manifests string, extra []cell.Cell, flags ...string) *
 	h := hive.New(cells...)
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(fs)
+	// No BPF: these tests run as root in CI and must not touch the node's
+	// real bpffs; the datapath has tests of its own in network namespaces.
 	args := append([]string{"--source=dir:" + manifests, "--state-dir=" + stateDir, "--node-name=node-a",
-		"--grpc-listen=127.0.0.1:0", "--token-file=" + tokens}, flags...)
+		"--grpc-listen=127.0.0.1:0", "--token-file=" + tokens, "--enable-redirect=false"}, flags...)
 	if err := fs.Parse(args); err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,93 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package redirect keeps the kernel datapath of CFP-32759 equal to what the
+// tables ask for on this node. A derivation turns enrollments, pods, the
+// node's addresses and the interfaces found through netlink into two
+// tables of desired state: redirects (entries of the redirect map) and
+// attachments (programs on devices). Two statedb reconcilers write them
+// into the kernel with Update, Delete and Prune; every row shows its
+// status. Map and links are pinned under --bpf-root, so a restarting agent
+// leaves the datapath running and takes it over without a gap. In
+// Kubernetes mode a third table, ready-annotations, publishes on each local
+// pod whether its redirection is really in place.
+package redirect
+
+import (
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
+)
+
+// Cell steers enrolled pods' TCP to the node's mTLS agent.
+var Cell = cell.Module(
+	"redirect",
+	"Enrolled pods TCP steered to the node mTLS agent in the kernel",
+
+	// The namespace of the node's devices, opened once for netlink and
+	// TCX attachment.
+	cell.ProvidePrivate(newNodeNetns),
+	// The kernel side: BPF objects pinned under --bpf-root, and netlink.
+	// Tests of the derivation and the reconcilers provide their own and use
+	// Core.
+	cell.Provide(newDatapath, newNetlinkInterfaces),
+	Core,
+)
+
+// Core is the cell without the kernel side: configuration, tables,
+// derivation, reconcilers and annotations. It needs a Datapath and
+// Interfaces.
+var Core = cell.Group(
+	cell.Config(defaultConfig),
+	// The module's jobs report to its own health.
+	cell.ProvidePrivate(newJobGroup),
+	// The derivation is the only writer of the tables, besides the
+	// reconcilers' status updates.
+	cell.ProvidePrivate(NewRedirectsTable, NewAttachmentsTable, NewAnnotationsTable),
+	// Everyone else reads them: db show, the annotation publisher, xDS.
+	cell.Provide(
+		statedb.RWTable[*Redirect].ToTable,
+		statedb.RWTable[*Attachment].ToTable,
+		statedb.RWTable[*ReadyAnnotation].ToTable,
+	),
+	// Tables of desired state, from enrollments, pods, the node and the
+	// interfaces.
+	cell.Invoke(registerDerivation),
+	// Desired state into the map and onto the devices.
+	cell.Invoke(registerReconcilers),
+	// In Kubernetes mode, annotation mtlsbridge.io/redirect=ready on the
+	// local pods whose redirection is in place.
+	cell.Invoke(registerAnnotations),
+	// redirect/map and redirect/attached: the kernel's view, for the shell.
+	cell.Provide(scriptCommands),
+)
+
+// Config of the datapath.
+type Config struct {
+	// EnableRedirect turns the datapath on (flag --enable-redirect).
+	EnableRedirect bool
+	// BPFRoot is the agent's folder on bpffs for the map and the links
+	// (flag --bpf-root). Only root may write there.
+	BPFRoot string
+	// Devices are the node's uplinks: HBONE from other nodes arrives there
+	// (flag --devices).
+	Devices []string
+	// NodeNetns is the path of the network namespace holding the node's
+	// devices; empty means the agent's own (flag --node-netns).
+	NodeNetns string
+}
+
+var defaultConfig = Config{
+	EnableRedirect: true,
+	BPFRoot:        "/sys/fs/bpf/mtlsbridge",
+}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(flags *pflag.FlagSet) {
+	flags.Bool("enable-redirect", def.EnableRedirect, "Steer enrolled pods' TCP to the node's mTLS agent with BPF")
+	flags.String("bpf-root", def.BPFRoot, "Folder on bpffs for the agent's pinned map and links (created writable by root only)")
+	flags.StringSlice("devices", def.Devices, "Uplink devices of the node, where HBONE (port 15008) from other nodes arrives")
+	flags.String("node-netns", def.NodeNetns, "Network namespace (path) of the node's devices; empty: the agent's own")
+}
+
+func newJobGroup(reg job.Registry, health cell.Health) job.Group { return reg.NewGroup(health) }

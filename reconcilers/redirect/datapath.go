@@ -1,0 +1,157 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package redirect
+
+import (
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/cilium/hive/cell"
+
+	"github.com/mtlsbridge/mtlsbridge/bpf"
+)
+
+// Datapath is what the reconcilers change in the kernel: the entries of
+// the redirect map and the programs attached to devices. The cell provides
+// the BPF implementation; tests may provide another.
+type Datapath interface {
+	// Err says why the datapath cannot be used; nil when it can.
+	Err() error
+	UpdateEntry(addr netip.Addr, e bpf.Entry) error
+	// DeleteEntry removes an entry; a missing one is not an error.
+	DeleteEntry(addr netip.Addr) error
+	Entries() (map[netip.Addr]bpf.Entry, error)
+	// Attach puts the hook's program first on the device.
+	Attach(h bpf.Hook, device string, ifindex int) error
+	// Detach removes what Attach put on the device; nothing there is not
+	// an error.
+	Detach(device string) error
+	// Attached lists the devices that have a program attached by us.
+	Attached() ([]string, error)
+}
+
+// bpfDatapath keeps the map and the links pinned under --bpf-root, so that
+// they outlive the agent: programs keep steering while it restarts.
+type bpfDatapath struct {
+	root     string
+	linksDir string
+	netns    *nodeNetns
+	objs     *bpf.Objects
+	err      error
+}
+
+var _ Datapath = (*bpfDatapath)(nil)
+
+func newDatapath(lc cell.Lifecycle, log *slog.Logger, health cell.Health, cfg Config, netns *nodeNetns) Datapath {
+	if !cfg.EnableRedirect {
+		return &bpfDatapath{err: ErrDisabled}
+	}
+	dp := &bpfDatapath{root: cfg.BPFRoot, netns: netns}
+	health = health.NewScope("datapath")
+	lc.Append(cell.Hook{
+		OnStart: func(cell.HookContext) error {
+			// Failing here would stop the agent; a node without BPF keeps
+			// the rest of it, and every row says why nothing is steered.
+			if dp.err = dp.load(cfg); dp.err != nil {
+				log.Warn("BPF redirection unavailable", "error", dp.err)
+				health.Degraded("BPF datapath unavailable", dp.err)
+				return nil
+			}
+			health.OK("programs loaded, map and links pinned under " + dp.root)
+			return nil
+		},
+		OnStop: func(cell.HookContext) error {
+			// Close the descriptors only: the pins keep the map entries and
+			// the attached programs for the next agent.
+			if dp.objs != nil {
+				dp.objs.Close()
+			}
+			return nil
+		},
+	})
+	return dp
+}
+
+func (dp *bpfDatapath) load(cfg Config) error {
+	var err error
+	if err := bpf.PrepareRoot(dp.root); err != nil {
+		return fmt.Errorf("--bpf-root=%s: %w", dp.root, err)
+	}
+	if dp.linksDir, err = bpf.PinDir(dp.root, "links"); err != nil {
+		return err
+	}
+	dp.objs, err = bpf.Load(dp.root)
+	return err
+}
+
+func (dp *bpfDatapath) Err() error {
+	if dp.err != nil {
+		return fmt.Errorf("%w: %w", ErrDatapathUnavailable, dp.err)
+	}
+	if dp.objs == nil {
+		return fmt.Errorf("%w: not loaded yet", ErrDatapathUnavailable)
+	}
+	return nil
+}
+
+func (dp *bpfDatapath) UpdateEntry(addr netip.Addr, e bpf.Entry) error {
+	if err := dp.Err(); err != nil {
+		return err
+	}
+	return dp.objs.Redirects.Update(addr, e)
+}
+
+func (dp *bpfDatapath) DeleteEntry(addr netip.Addr) error {
+	if err := dp.Err(); err != nil {
+		return err
+	}
+	return dp.objs.Redirects.Delete(addr)
+}
+
+func (dp *bpfDatapath) Entries() (map[netip.Addr]bpf.Entry, error) {
+	if err := dp.Err(); err != nil {
+		return nil, err
+	}
+	return dp.objs.Redirects.Dump()
+}
+
+func (dp *bpfDatapath) Attach(h bpf.Hook, device string, ifindex int) error {
+	if err := dp.Err(); err != nil {
+		return err
+	}
+	return dp.netns.do(func() error { return dp.objs.Attach(h, dp.pin(device), ifindex) })
+}
+
+func (dp *bpfDatapath) Detach(device string) error {
+	if err := dp.Err(); err != nil {
+		return err
+	}
+	return bpf.Detach(dp.pin(device))
+}
+
+func (dp *bpfDatapath) Attached() ([]string, error) {
+	if err := dp.Err(); err != nil {
+		return nil, err
+	}
+	entries, err := os.ReadDir(dp.linksDir)
+	if err != nil {
+		return nil, err
+	}
+	var devices []string
+	for _, e := range entries {
+		devices = append(devices, unpinName(e.Name()))
+	}
+	return devices, nil
+}
+
+// pin is the link pin of a device. bpffs refuses dots in names and
+// interface names cannot hold colons, so dots become colons.
+func (dp *bpfDatapath) pin(device string) string {
+	return filepath.Join(dp.linksDir, strings.ReplaceAll(device, ".", ":"))
+}
+
+func unpinName(name string) string { return strings.ReplaceAll(name, ":", ".") }

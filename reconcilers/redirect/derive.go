@@ -1,0 +1,308 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package redirect
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+
+	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+type derivationParams struct {
+	cell.In
+
+	Config      Config
+	Node        tables.LocalNode
+	Log         *slog.Logger
+	DB          *statedb.DB
+	Jobs        job.Group
+	Pods        statedb.Table[*tables.Pod]
+	Nodes       statedb.Table[*tables.Node]
+	Enrollments statedb.Table[*enrollment.Enrollment]
+	Redirects   statedb.RWTable[*Redirect]
+	Attachments statedb.RWTable[*Attachment]
+	Interfaces  Interfaces
+}
+
+// derivation keeps the redirects and attachments tables equal to what the
+// node's pods, their enrollments, the node's addresses and its interfaces
+// ask for. It recomputes the node's rows as a whole (a node has a few
+// hundred pods at most) and rewrites only the rows that changed.
+type derivation struct {
+	derivationParams
+	initDone []func(statedb.WriteTxn)
+}
+
+// Pacing of the derivation: bursts of netlink events (a pod being wired up)
+// are taken together, and rows with problems are retried with backoff.
+const (
+	minPassInterval = 50 * time.Millisecond
+	minRetry        = 500 * time.Millisecond
+	maxRetry        = 30 * time.Second
+)
+
+func registerDerivation(p derivationParams) {
+	if !p.Config.EnableRedirect {
+		return
+	}
+	d := &derivation{derivationParams: p}
+	wtxn := p.DB.WriteTxn(p.Redirects, p.Attachments)
+	d.initDone = []func(statedb.WriteTxn){
+		p.Redirects.RegisterInitializer(wtxn, "redirect-derivation"),
+		p.Attachments.RegisterInitializer(wtxn, "redirect-derivation"),
+	}
+	wtxn.Commit()
+	p.Jobs.Add(job.OneShot("derive-redirects", d.run))
+}
+
+func (d *derivation) run(ctx context.Context, health cell.Health) error {
+	// Nothing is written before every input is initialized: rows from a
+	// partial view (a pod listed before the policy enrolling it) would
+	// overwrite live entries of a previous agent.
+	for _, t := range []statedb.TableMeta{d.Enrollments, d.Pods, d.Nodes} {
+		for {
+			ok, watch := t.Initialized(d.DB.ReadTxn())
+			if ok {
+				break
+			}
+			health.OK("waiting for table " + t.Name())
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-watch:
+			}
+		}
+	}
+
+	retry := minRetry
+	for {
+		changed := d.Interfaces.Changed()
+		scan, scanErr := d.Interfaces.Scan()
+		watches, problems := d.pass(scan, scanErr)
+		if problems == 0 {
+			health.OK(fmt.Sprintf("%d redirects", d.Redirects.NumObjects(d.DB.ReadTxn())))
+			retry = minRetry
+		} else {
+			health.Degraded("rows with problems",
+				errors.Join(fmt.Errorf("%d rows of redirects and attachments with problems", problems), scanErr))
+		}
+		var retryC <-chan time.Time
+		if problems > 0 {
+			retryC = time.After(retry)
+			retry = min(2*retry, maxRetry)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-watches[0]:
+		case <-watches[1]:
+		case <-watches[2]:
+		case <-changed:
+		case <-retryC:
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(minPassInterval):
+		}
+	}
+}
+
+// pass recomputes the rows in one transaction. It returns the watch
+// channels of its inputs and the number of rows with a problem.
+func (d *derivation) pass(scan Scan, scanErr error) ([3]<-chan struct{}, int) {
+	wtxn := d.DB.WriteTxn(d.Redirects, d.Attachments)
+	defer wtxn.Abort()
+	node := d.Node.NodeName
+	pods, podsWatch := d.Pods.ListWatch(wtxn, tables.PodsByNode(node))
+	enrollments, enrollWatch := d.Enrollments.ListWatch(wtxn, enrollment.ByNode(node))
+	nodeObj, _, nodeWatch, _ := d.Nodes.GetWatch(wtxn, tables.NodeByName(node))
+
+	enrolled := map[string]*enrollment.Enrollment{}
+	for e := range enrollments {
+		enrolled[e.Key()] = e
+	}
+	want := desired(d.Config, scan, scanErr, pods, enrolled, nodeObj)
+
+	problems := 0
+	// Collected first: the table is not changed while it is iterated.
+	var goneRedirects []*Redirect
+	for r := range d.Redirects.All(wtxn) {
+		if _, ok := want.redirects[r.Addr]; !ok {
+			goneRedirects = append(goneRedirects, r)
+		}
+	}
+	for _, r := range goneRedirects {
+		d.Redirects.Delete(wtxn, r)
+	}
+	for _, r := range want.redirects {
+		if r.Problem != "" {
+			problems++
+		}
+		if old, _, ok := d.Redirects.Get(wtxn, RedirectByAddr(r.Addr)); ok && old.sameDesire(r) {
+			continue
+		}
+		r.Status = reconciler.StatusPending()
+		d.Redirects.Insert(wtxn, r)
+	}
+	var goneAttachments []*Attachment
+	for a := range d.Attachments.All(wtxn) {
+		if _, ok := want.attachments[a.Device]; !ok {
+			goneAttachments = append(goneAttachments, a)
+		}
+	}
+	for _, a := range goneAttachments {
+		d.Attachments.Delete(wtxn, a)
+	}
+	for _, a := range want.attachments {
+		if a.Problem != "" {
+			problems++
+		}
+		if old, _, ok := d.Attachments.Get(wtxn, AttachmentByDevice(a.Device)); ok && old.sameDesire(a) {
+			continue
+		}
+		a.Status = reconciler.StatusPending()
+		d.Attachments.Insert(wtxn, a)
+	}
+	for _, done := range d.initDone {
+		done(wtxn)
+	}
+	d.initDone = nil
+	wtxn.Commit()
+	return [3]<-chan struct{}{podsWatch, enrollWatch, nodeWatch}, problems
+}
+
+type desiredRows struct {
+	redirects   map[netip.Addr]*Redirect
+	attachments map[string]*Attachment
+}
+
+// desired is the pure part of the derivation: the rows for one node.
+//   - A local pod that is enrolled gets an enrolled entry per address,
+//     locating its interface, and the from-pod program on that interface.
+//   - Every other local pod and the node's addresses get local entries:
+//     traffic to them is same-node and never steered.
+//   - The node's mTLS agent gets the agent entry.
+//   - Each uplink in --devices gets the node-ingress program.
+func desired(cfg Config, scan Scan, scanErr error, pods func(func(*tables.Pod, statedb.Revision) bool),
+	enrolled map[string]*enrollment.Enrollment, node *tables.Node) desiredRows {
+	out := desiredRows{redirects: map[netip.Addr]*Redirect{}, attachments: map[string]*Attachment{}}
+	add := func(r *Redirect) {
+		if old, ok := out.redirects[r.Addr]; ok && !preferred(r, old) {
+			return
+		}
+		out.redirects[r.Addr] = r
+	}
+	var agents []*tables.Pod
+	for pod := range pods {
+		if pod.Finished() {
+			continue // its address may already belong to a new pod
+		}
+		e := enrolled[pod.Key()]
+		if e != nil && e.MTLSAgent && !pod.HostNetwork {
+			agents = append(agents, pod)
+		}
+		if e == nil || !e.Enrolled || pod.HostNetwork {
+			for _, ip := range pod.IPs {
+				add(&Redirect{Addr: ip, Kind: bpf.KindLocal, Pod: pod.Key(), NetnsID: bpf.NoNetns})
+			}
+			continue
+		}
+		iface, found := findInterface(scan, pod.IPs)
+		problem := ""
+		if !found {
+			problem = noInterface(pod, scanErr)
+		} else {
+			out.attachments[iface.Name] = &Attachment{Device: iface.Name, Ifindex: iface.Index, Hook: bpf.HookFromPod, Pod: pod.Key()}
+		}
+		for _, ip := range pod.IPs {
+			add(&Redirect{Addr: ip, Kind: bpf.KindEnrolled, Pod: pod.Key(), Interface: iface.Name,
+				Ifindex: uint32(iface.Index), MAC: iface.MAC, NetnsID: bpf.NoNetns, Problem: problem})
+		}
+	}
+	// The node's addresses, as Kubernetes knows them and as configured.
+	var nodeAddrs []netip.Addr
+	if node != nil {
+		nodeAddrs = node.Addresses
+	}
+	for _, ip := range slices.Concat(nodeAddrs, scan.Local) {
+		add(&Redirect{Addr: ip, Kind: bpf.KindLocal, NetnsID: bpf.NoNetns})
+	}
+	out.redirects[bpf.AgentKey] = agentRow(scan, scanErr, agents)
+	for _, dev := range cfg.Devices {
+		a := &Attachment{Device: dev, Hook: bpf.HookNodeIngress}
+		if idx, ok := scan.Devices[dev]; ok {
+			a.Ifindex = idx
+		} else {
+			a.Problem = fmt.Sprintf("--devices %s: %v", dev, ErrNoDevice)
+		}
+		out.attachments[dev] = a
+	}
+	return out
+}
+
+// preferred decides between two rows for one address (two pods claiming
+// it): enrolled wins, so that a conflict never unsteers a pod; then the
+// lower pod name, so that the choice is stable.
+func preferred(r, old *Redirect) bool {
+	if (r.Kind == bpf.KindEnrolled) != (old.Kind == bpf.KindEnrolled) {
+		return r.Kind == bpf.KindEnrolled
+	}
+	return r.Pod < old.Pod
+}
+
+// agentRow locates the mTLS agent. With several (a rolling update), the
+// first by name that has an interface serves.
+func agentRow(scan Scan, scanErr error, agents []*tables.Pod) *Redirect {
+	r := &Redirect{Addr: bpf.AgentKey, Kind: bpf.KindAgent, NetnsID: bpf.NoNetns}
+	slices.SortFunc(agents, func(a, b *tables.Pod) int { return cmp.Compare(a.Key(), b.Key()) })
+	for _, pod := range agents {
+		if iface, ok := findInterface(scan, pod.IPs); ok {
+			r.Pod, r.Interface, r.Ifindex, r.MAC, r.NetnsID = pod.Key(), iface.Name, uint32(iface.Index), iface.MAC, iface.NetnsID
+			return r
+		}
+	}
+	if len(agents) == 0 {
+		r.Problem = fmt.Sprintf("%v (label %s=%s)", ErrNoAgent, enrollment.RedirTypeLabel, enrollment.RedirTypeProxy)
+		return r
+	}
+	r.Pod = agents[0].Key()
+	r.Problem = noInterface(agents[0], scanErr)
+	return r
+}
+
+func findInterface(scan Scan, ips []netip.Addr) (PodInterface, bool) {
+	for _, ip := range ips {
+		if iface, ok := scan.Pods[ip]; ok {
+			return iface, true
+		}
+	}
+	return PodInterface{}, false
+}
+
+func noInterface(pod *tables.Pod, scanErr error) string {
+	ips := make([]string, len(pod.IPs))
+	for i, ip := range pod.IPs {
+		ips[i] = ip.String()
+	}
+	msg := fmt.Sprintf("%v: no veth peer holds %s", ErrNoInterface, strings.Join(ips, ","))
+	if scanErr != nil {
+		msg += " (scan: " + scanErr.Error() + ")"
+	}
+	return msg
+}

@@ -1,0 +1,22 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package redirect
+
+import "errors"
+
+var (
+	// ErrDatapathUnavailable is the status of every row when the BPF
+	// objects could not be loaded (not root, no bpffs, an incompatible
+	// pinned map); the wrapped error says why.
+	ErrDatapathUnavailable = errors.New("BPF datapath unavailable")
+	// ErrDisabled is the datapath's state with --enable-redirect=false.
+	ErrDisabled = errors.New("redirection disabled (--enable-redirect=false)")
+	// ErrNoInterface: no host-side veth has the pod's address on its peer
+	// (the CNI has not finished, or the pod is not behind a veth).
+	ErrNoInterface = errors.New("no interface found for the pod")
+	// ErrNoAgent: no pod of this node carries cilium.io/redir-type=proxy,
+	// or none has an interface yet.
+	ErrNoAgent = errors.New("no mTLS agent pod on this node")
+	// ErrNoDevice: a device named in --devices does not exist.
+	ErrNoDevice = errors.New("device not found")
+)

@@ -1,0 +1,118 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package redirect_test
+
+import (
+	"net/netip"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/cilium/statedb"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// TestPublishReady runs the agent against a real kube-apiserver: once pod
+// a's redirection is in place, a carries mtlsbridge.io/redirect=ready
+// (and the pods table, fed back from the API, says so); pods that are not
+// redirected carry nothing; unenrolling a removes the annotation.
+func TestPublishReady(t *testing.T) {
+	c := newCluster(t)
+	cfg := kubetest.Start(t)
+	kubetest.ApplyCRDs(t, cfg, "../../testdata/crds")
+	kube := kubernetes.NewForConfigOrDie(cfg)
+	ctx := t.Context()
+
+	_, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "app"}}, metav1.CreateOptions{})
+	must(t, err)
+	workload := map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeWorkload}
+	createPod(t, kube, "ztunnel", "node-a", map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeProxy}, c.agent.IP4, c.agent.IP6)
+	createPod(t, kube, "a", "node-a", workload, c.a.IP4, c.a.IP6)
+	createPod(t, kube, "n", "node-a", nil, c.n.IP4, c.n.IP6)
+	createPod(t, kube, "ghost", "node-a", workload, ghostIP)
+	createPod(t, kube, "r", "node-b", workload, c.r.IP4, c.r.IP6)
+
+	ag := c.startAgent(t, "--source=k8s", "--kubeconfig="+writeKubeconfig(t, cfg))
+	podReady := func(txn statedb.ReadTxn, name string) bool {
+		pod, _, ok := ag.pods.Get(txn, tables.PodByKey("app/"+name))
+		return ok && pod.RedirectReady
+	}
+
+	annotation := func(name string) string {
+		pod, err := kube.CoreV1().Pods("app").Get(ctx, name, metav1.GetOptions{})
+		must(t, err)
+		return pod.Annotations[tables.RedirectAnnotation]
+	}
+	waitAnnotation := func(name, want string) {
+		t.Helper()
+		deadline := time.Now().Add(waitTimeout)
+		for annotation(name) != want {
+			if time.Now().After(deadline) {
+				t.Fatalf("annotation of %s: %q, want %q; tables:\n%s", name, annotation(name), want, ag.dump(ag.db.ReadTxn()))
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+
+	// Step 1: a is redirected, and says so; the others do not.
+	waitAnnotation("a", tables.RedirectReadyValue)
+	ag.waitFor(t, "the pods table to show a as redirected", func(txn statedb.ReadTxn) bool { return podReady(txn, "a") })
+	for _, name := range []string{"n", "ghost", "ztunnel", "r"} {
+		if got := annotation(name); got != "" {
+			t.Errorf("annotation of %s: %q, want none", name, got)
+		}
+	}
+	if ans := ask(t, c.a, c.r.IP4, 8080); ans.Server != "agent" {
+		t.Errorf("a -> r answered by %s", ans)
+	}
+
+	// Step 2: a is unenrolled; the annotation goes.
+	a, err := kube.CoreV1().Pods("app").Get(ctx, "a", metav1.GetOptions{})
+	must(t, err)
+	a.Labels = nil
+	_, err = kube.CoreV1().Pods("app").Update(ctx, a, metav1.UpdateOptions{})
+	must(t, err)
+	waitAnnotation("a", "")
+	ag.waitFor(t, "the pods table to show a as not redirected", func(txn statedb.ReadTxn) bool { return !podReady(txn, "a") })
+	if ans := ask(t, c.a, c.r.IP4, 8080); ans.Server != "r" {
+		t.Errorf("a -> r after unenrolling answered by %s", ans)
+	}
+}
+
+// createPod creates a pod bound to a node with the status a kubelet would
+// give it (no kubelet runs here).
+func createPod(t *testing.T, kube kubernetes.Interface, name, node string, labels map[string]string, ips ...netip.Addr) {
+	t.Helper()
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "app", Labels: labels},
+		Spec:       corev1.PodSpec{NodeName: node, Containers: []corev1.Container{{Name: "main", Image: "registry.invalid/none"}}},
+	}
+	created, err := kube.CoreV1().Pods("app").Create(t.Context(), pod, metav1.CreateOptions{})
+	must(t, err)
+	created.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ips[0].String()}
+	for _, ip := range ips {
+		created.Status.PodIPs = append(created.Status.PodIPs, corev1.PodIP{IP: ip.String()})
+	}
+	_, err = kube.CoreV1().Pods("app").UpdateStatus(t.Context(), created, metav1.UpdateOptions{})
+	must(t, err)
+}
+
+func writeKubeconfig(t *testing.T, cfg *rest.Config) string {
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	kc := clientcmdapi.NewConfig()
+	kc.Clusters["test"] = &clientcmdapi.Cluster{Server: cfg.Host, CertificateAuthorityData: cfg.CAData}
+	kc.AuthInfos["admin"] = &clientcmdapi.AuthInfo{Token: cfg.BearerToken}
+	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "admin"}
+	kc.CurrentContext = "test"
+	must(t, clientcmd.WriteToFile(*kc, path))
+	return path
+}

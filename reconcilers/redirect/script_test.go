@@ -1,0 +1,312 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package redirect_test
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/hive/script"
+	"github.com/cilium/hive/script/scripttest"
+	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
+
+	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+	"github.com/mtlsbridge/mtlsbridge/tables/source"
+)
+
+// TestScript runs testdata/*.txtar: the derivation and the reconcilers
+// against a fake kernel (interfaces, map and attachments in memory),
+// driven by manifest files and kernel/* commands. No privileges needed.
+func TestScript(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	scripttest.Test(t, ctx, newEngine, nil, "testdata/*.txtar")
+}
+
+func newEngine(t testing.TB, args []string) *script.Engine {
+	log := hivetest.Logger(t)
+	manifests := t.TempDir()
+	k := &fakeKernel{
+		entries:  map[netip.Addr]bpf.Entry{},
+		attached: map[string]bpf.Hook{},
+		pods:     map[netip.Addr]redirect.PodInterface{},
+		devices:  map[string]int{"lo": 1},
+		changed:  make(chan struct{}),
+	}
+	h := hive.New(
+		cell.SimpleHealthCell, job.Cell, statedb.Cell,
+		tables.Cell, source.Cell, enrollment.Cell,
+		cell.Module("redirect-test", "Redirect cell on a fake kernel",
+			cell.Provide(
+				func() redirect.Datapath { return k },
+				func() redirect.Interfaces { return k },
+			),
+			redirect.Core,
+		),
+	)
+	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	if err := flags.Parse(append([]string{"--source=dir:" + manifests, "--node-name=node-a"}, args...)); err != nil {
+		t.Fatalf("flags %v: %s", args, err)
+	}
+	cmds, err := h.ScriptCommands(log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	maps.Insert(cmds, maps.All(script.DefaultCmds()))
+	cmds["manifests/write"] = script.Command(
+		script.CmdUsage{Summary: "copy a file into the manifest folder (by rename), optionally under another name", Args: "file [--as=NAME]"},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) == 0 || len(args) > 2 {
+				return nil, script.ErrUsage
+			}
+			target := filepath.Base(args[0])
+			if len(args) == 2 {
+				as, ok := strings.CutPrefix(args[1], "--as=")
+				if !ok {
+					return nil, script.ErrUsage
+				}
+				target = as
+			}
+			for _, name := range args[:1] {
+				content, err := os.ReadFile(s.Path(name))
+				if err != nil {
+					return nil, err
+				}
+				tmp := filepath.Join(manifests, ".tmp-"+target)
+				if err := os.WriteFile(tmp, content, 0o644); err != nil {
+					return nil, err
+				}
+				if err := os.Rename(tmp, filepath.Join(manifests, target)); err != nil {
+					return nil, err
+				}
+			}
+			return nil, nil
+		})
+	maps.Insert(cmds, maps.All(k.commands()))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		h.Stop(log, ctx)
+	})
+	return &script.Engine{Cmds: cmds}
+}
+
+// fakeKernel is a Datapath and Interfaces in memory.
+type fakeKernel struct {
+	mu       sync.Mutex
+	entries  map[netip.Addr]bpf.Entry
+	attached map[string]bpf.Hook
+	pods     map[netip.Addr]redirect.PodInterface
+	devices  map[string]int
+	changed  chan struct{}
+	broken   error
+}
+
+var (
+	_ redirect.Datapath   = (*fakeKernel)(nil)
+	_ redirect.Interfaces = (*fakeKernel)(nil)
+)
+
+func (k *fakeKernel) Err() error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.broken
+}
+
+func (k *fakeKernel) UpdateEntry(addr netip.Addr, e bpf.Entry) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.broken != nil {
+		return k.broken
+	}
+	k.entries[addr] = e
+	return nil
+}
+
+func (k *fakeKernel) DeleteEntry(addr netip.Addr) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.broken != nil {
+		return k.broken
+	}
+	delete(k.entries, addr)
+	return nil
+}
+
+func (k *fakeKernel) Entries() (map[netip.Addr]bpf.Entry, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return maps.Clone(k.entries), k.broken
+}
+
+func (k *fakeKernel) Attach(h bpf.Hook, device string, ifindex int) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.broken != nil {
+		return k.broken
+	}
+	if k.devices[device] != ifindex {
+		return fmt.Errorf("no device %s with index %d", device, ifindex)
+	}
+	k.attached[device] = h
+	return nil
+}
+
+func (k *fakeKernel) Detach(device string) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	delete(k.attached, device)
+	return k.broken
+}
+
+func (k *fakeKernel) Attached() ([]string, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return slices.Collect(maps.Keys(k.attached)), k.broken
+}
+
+func (k *fakeKernel) Scan() (redirect.Scan, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return redirect.Scan{Pods: maps.Clone(k.pods), Devices: maps.Clone(k.devices)}, nil
+}
+
+func (k *fakeKernel) Changed() <-chan struct{} {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.changed
+}
+
+// change runs fn under the lock and tells the derivation.
+func (k *fakeKernel) change(fn func()) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	fn()
+	close(k.changed)
+	k.changed = make(chan struct{})
+}
+
+func (k *fakeKernel) commands() map[string]script.Cmd {
+	return map[string]script.Cmd{
+		"kernel/veth": script.Command(
+			script.CmdUsage{Summary: "add a pod's veth pair: host side NAME with INDEX, peer MAC and addresses, netns id NSID", Args: "name index mac nsid addr..."},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) < 5 {
+					return nil, script.ErrUsage
+				}
+				index, err1 := strconv.Atoi(args[1])
+				mac, err2 := net.ParseMAC(args[2])
+				nsid, err3 := strconv.Atoi(args[3])
+				if err := errorsJoin(err1, err2, err3); err != nil {
+					return nil, err
+				}
+				iface := redirect.PodInterface{Name: args[0], Index: index, MAC: mac, NetnsID: int32(nsid)}
+				var addrs []netip.Addr
+				for _, a := range args[4:] {
+					addr, err := netip.ParseAddr(a)
+					if err != nil {
+						return nil, err
+					}
+					addrs = append(addrs, addr)
+				}
+				k.change(func() {
+					k.devices[iface.Name] = index
+					for _, addr := range addrs {
+						k.pods[addr] = iface
+					}
+				})
+				return nil, nil
+			}),
+		"kernel/device": script.Command(
+			script.CmdUsage{Summary: "add a device NAME with INDEX", Args: "name index"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) != 2 {
+					return nil, script.ErrUsage
+				}
+				index, err := strconv.Atoi(args[1])
+				if err != nil {
+					return nil, err
+				}
+				k.change(func() { k.devices[args[0]] = index })
+				return nil, nil
+			}),
+		"kernel/del": script.Command(
+			script.CmdUsage{Summary: "delete a device (a veth pair with its addresses)", Args: "name"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) != 1 {
+					return nil, script.ErrUsage
+				}
+				k.change(func() {
+					delete(k.devices, args[0])
+					maps.DeleteFunc(k.pods, func(_ netip.Addr, i redirect.PodInterface) bool { return i.Name == args[0] })
+				})
+				return nil, nil
+			}),
+		"kernel/put": script.Command(
+			script.CmdUsage{Summary: "write a map entry of KIND (local or enrolled) directly, as a previous agent left it", Args: "addr kind"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) != 2 {
+					return nil, script.ErrUsage
+				}
+				addr, err := netip.ParseAddr(args[0])
+				if err != nil {
+					return nil, err
+				}
+				kind := map[string]bpf.Kind{"local": bpf.KindLocal, "enrolled": bpf.KindEnrolled}[args[1]]
+				if kind == 0 {
+					return nil, fmt.Errorf("kind %q: want local or enrolled", args[1])
+				}
+				k.change(func() { k.entries[addr] = bpf.Entry{Kind: kind, NetnsID: bpf.NoNetns} })
+				return nil, nil
+			}),
+		"kernel/attach": script.Command(
+			script.CmdUsage{Summary: "attach HOOK to DEVICE directly, as a previous agent left it", Args: "device hook"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) != 2 {
+					return nil, script.ErrUsage
+				}
+				k.change(func() { k.attached[args[0]] = bpf.Hook(args[1]) })
+				return nil, nil
+			}),
+		"kernel/break": script.Command(
+			script.CmdUsage{Summary: "make every map and attach operation fail with MESSAGE, or succeed again without", Args: "[message]"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				k.mu.Lock()
+				defer k.mu.Unlock()
+				k.broken = nil
+				if len(args) > 0 {
+					k.broken = fmt.Errorf("%s", strings.Join(args, " "))
+				}
+				return nil, nil
+			}),
+	}
+}
+
+func errorsJoin(errs ...error) error {
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}

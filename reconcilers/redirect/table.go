@@ -1,0 +1,188 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package redirect
+
+import (
+	"net"
+	"net/netip"
+	"strconv"
+
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/index"
+	"github.com/cilium/statedb/reconciler"
+
+	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// Table names.
+const (
+	RedirectsTableName   = "redirects"
+	AttachmentsTableName = "attachments"
+)
+
+// AgentAddr is how the agent's entry (bpf.AgentKey) is written in tables
+// and queries.
+const AgentAddr = "agent"
+
+// Redirect is one desired entry of the redirect map of this node.
+type Redirect struct {
+	// Addr keys the entry: a local pod's or the node's address, or
+	// bpf.AgentKey for the node's mTLS agent.
+	Addr netip.Addr
+	Kind bpf.Kind
+	// Pod is the "namespace/name" of the pod the address belongs to; empty
+	// for the node's own addresses.
+	Pod string
+	// Interface, Ifindex and MAC locate the pod (agent) for kinds enrolled
+	// and agent: the host-side interface in the node's network namespace,
+	// the MAC inside the pod. NetnsID is the agent's network namespace id.
+	Interface string
+	Ifindex   uint32
+	MAC       net.HardwareAddr
+	NetnsID   int32
+	// Problem says why the entry cannot be written (e.g. the pod's
+	// interface was not found). The map keeps what it had for the address:
+	// a transient problem never removes a live redirect.
+	Problem string
+
+	Status reconciler.Status
+}
+
+// Entry is the map value the row asks for.
+func (r *Redirect) Entry() bpf.Entry {
+	return bpf.Entry{Kind: r.Kind, Ifindex: r.Ifindex, MAC: r.MAC, NetnsID: r.NetnsID}
+}
+
+// sameDesire compares everything but the status.
+func (r *Redirect) sameDesire(o *Redirect) bool {
+	return r.Addr == o.Addr && r.Kind == o.Kind && r.Pod == o.Pod && r.Interface == o.Interface &&
+		r.Ifindex == o.Ifindex && r.MAC.String() == o.MAC.String() && r.NetnsID == o.NetnsID && r.Problem == o.Problem
+}
+
+func (r *Redirect) clone() *Redirect { c := *r; return &c }
+
+func (r *Redirect) TableHeader() []string {
+	return []string{"Address", "Kind", "Pod", "Interface", "MAC", "Status"}
+}
+
+func (r *Redirect) TableRow() []string {
+	mac := "-"
+	if r.MAC != nil {
+		mac = r.MAC.String()
+	}
+	iface := "-"
+	if r.Interface != "" {
+		iface = r.Interface + "(" + strconv.Itoa(int(r.Ifindex)) + ")"
+	}
+	return []string{addrString(r.Addr), r.Kind.String(), dash(r.Pod), iface, mac, statusString(r.Status)}
+}
+
+// Attachment is a program to keep attached to a device of this node.
+type Attachment struct {
+	// Device is the interface name in the node's network namespace.
+	Device  string
+	Ifindex int
+	Hook    bpf.Hook
+	// Pod is the "namespace/name" of the pod behind the device (from-pod).
+	Pod     string
+	Problem string
+
+	Status reconciler.Status
+}
+
+func (a *Attachment) sameDesire(o *Attachment) bool {
+	return a.Device == o.Device && a.Ifindex == o.Ifindex && a.Hook == o.Hook && a.Pod == o.Pod && a.Problem == o.Problem
+}
+
+func (a *Attachment) clone() *Attachment { c := *a; return &c }
+
+func (a *Attachment) TableHeader() []string {
+	return []string{"Device", "Ifindex", "Hook", "Pod", "Status"}
+}
+
+func (a *Attachment) TableRow() []string {
+	ifindex := "-"
+	if a.Ifindex != 0 {
+		ifindex = strconv.Itoa(a.Ifindex)
+	}
+	return []string{a.Device, ifindex, string(a.Hook), dash(a.Pod), statusString(a.Status)}
+}
+
+var (
+	redirectAddrIndex = statedb.Index[*Redirect, netip.Addr]{
+		Name:       "addr",
+		FromObject: func(r *Redirect) index.KeySet { return index.NewKeySet(index.NetIPAddr(r.Addr)) },
+		FromKey:    index.NetIPAddr,
+		FromString: func(s string) (index.Key, error) {
+			if s == AgentAddr {
+				return index.NetIPAddr(bpf.AgentKey), nil
+			}
+			return index.NetIPAddrString(s)
+		},
+		Unique: true,
+	}
+	redirectPodIndex = statedb.Index[*Redirect, string]{
+		Name: "pod",
+		FromObject: func(r *Redirect) index.KeySet {
+			return index.NewKeySet(tables.ExactKey(r.Pod))
+		},
+		FromKey:    tables.ExactKey,
+		FromString: tables.ExactKeyFromString,
+	}
+	attachmentDeviceIndex = statedb.Index[*Attachment, string]{
+		Name:       "device",
+		FromObject: func(a *Attachment) index.KeySet { return index.NewKeySet(index.String(a.Device)) },
+		FromKey:    index.String,
+		FromString: index.FromString,
+		Unique:     true,
+	}
+	attachmentPodIndex = statedb.Index[*Attachment, string]{
+		Name:       "pod",
+		FromObject: func(a *Attachment) index.KeySet { return index.NewKeySet(tables.ExactKey(a.Pod)) },
+		FromKey:    tables.ExactKey,
+		FromString: tables.ExactKeyFromString,
+	}
+
+	// RedirectByAddr queries the entry of an address (bpf.AgentKey for the agent).
+	RedirectByAddr = redirectAddrIndex.Query
+	// RedirectsByPod queries the entries of a pod ("namespace/name").
+	RedirectsByPod = redirectPodIndex.Query
+	// AttachmentByDevice queries the attachment of a device.
+	AttachmentByDevice = attachmentDeviceIndex.Query
+	// AttachmentsByPod queries the attachments of a pod ("namespace/name").
+	AttachmentsByPod = attachmentPodIndex.Query
+)
+
+// NewRedirectsTable creates the redirects table.
+func NewRedirectsTable(db *statedb.DB) (statedb.RWTable[*Redirect], error) {
+	return statedb.NewTable(db, RedirectsTableName, redirectAddrIndex, redirectPodIndex)
+}
+
+// NewAttachmentsTable creates the attachments table.
+func NewAttachmentsTable(db *statedb.DB) (statedb.RWTable[*Attachment], error) {
+	return statedb.NewTable(db, AttachmentsTableName, attachmentDeviceIndex, attachmentPodIndex)
+}
+
+func addrString(a netip.Addr) string {
+	if a == bpf.AgentKey {
+		return AgentAddr
+	}
+	return a.String()
+}
+
+// statusString shows a status without its age, so that rows compare in
+// scripts.
+func statusString(s reconciler.Status) string {
+	if s.Kind == reconciler.StatusKindError {
+		return "Error: " + s.GetError()
+	}
+	return s.Kind.String()
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
