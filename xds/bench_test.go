@@ -153,7 +153,7 @@ func newTableBackend(b *testing.B, n int) *tableBackend {
 	}
 	txn := db.WriteTxn(wl)
 	for i := range n {
-		w, err := workload.New("Kubernetes", "cluster.local", benchPod(i, 0))
+		w, err := workload.New("Kubernetes", "cluster.local", benchPod(i, 0), true)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -186,7 +186,7 @@ func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryService
 func (t *tableBackend) change(b *testing.B, i, gen int) string {
 	pod := benchPod(i, 0)
 	pod.Labels = tables.NewLabels(map[string]string{"app": "changed", "gen": fmt.Sprint(gen)})
-	w, err := workload.New("Kubernetes", "cluster.local", pod)
+	w, err := workload.New("Kubernetes", "cluster.local", pod, true)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -206,7 +206,7 @@ func linearResource(i, gen int, changed bool) (string, cachetypes.Resource) {
 	if changed {
 		pod.Labels = tables.NewLabels(map[string]string{"app": "changed", "gen": fmt.Sprint(gen)})
 	}
-	w, _ := workload.New("Kubernetes", "cluster.local", pod)
+	w, _ := workload.New("Kubernetes", "cluster.local", pod, true)
 	var addr workloadapi.Address
 	proto.Unmarshal(w.Resource, &addr)
 	return w.UID, &addr

@@ -189,8 +189,10 @@ func TestDeltaStream(t *testing.T) {
 	z.ack(addrs)
 	z.ack(authz)
 
-	// The workloads carry the fields the agent needs; HBONE only where the
-	// redirect is published ready (web), NONE elsewhere (api).
+	// The workloads carry the fields the agent needs. HBONE only where the
+	// redirect is really in place: api's node published it; web is on this
+	// node, whose datapath (off in this test) has no redirect for it, so its
+	// annotation (stale, say after a restart) does not count.
 	for _, r := range addrs.Resources {
 		w := decode(t, r)
 		switch r.Name {
@@ -198,7 +200,7 @@ func TestDeltaStream(t *testing.T) {
 			want := &workloadapi.Workload{
 				Uid: webUID, Name: "web", Namespace: "app", ServiceAccount: "web", Node: "node-a",
 				Addresses: [][]byte{{10, 0, 1, 10}}, TrustDomain: "cluster.local", ClusterId: "Kubernetes",
-				WorkloadType: workloadapi.WorkloadType_POD, TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+				WorkloadType: workloadapi.WorkloadType_POD, TunnelProtocol: workloadapi.TunnelProtocol_NONE,
 				CanonicalName: "web", CanonicalRevision: "v2", WorkloadName: "web",
 				Status: workloadapi.WorkloadStatus_HEALTHY,
 			}
@@ -206,8 +208,8 @@ func TestDeltaStream(t *testing.T) {
 				t.Errorf("web workload\n got %v\nwant %v", w, want)
 			}
 		case apiUID:
-			if w.TunnelProtocol != workloadapi.TunnelProtocol_NONE || w.Node != "node-b" {
-				t.Errorf("api workload: %v, want NONE on node-b", w)
+			if w.TunnelProtocol != workloadapi.TunnelProtocol_HBONE || w.Node != "node-b" {
+				t.Errorf("api workload: %v, want HBONE on node-b", w)
 			}
 		}
 		if r.Version == "" {

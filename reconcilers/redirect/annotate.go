@@ -79,10 +79,15 @@ type annotationParams struct {
 	Annotations statedb.RWTable[*ReadyAnnotation]
 }
 
-// registerAnnotations publishes, in Kubernetes mode, which local pods are
-// really redirected: other nodes read it to decide whether to send HBONE.
+// registerAnnotations keeps the ready-annotations table derived (this
+// node's xDS reads it for its own pods) and, in Kubernetes mode, publishes
+// it on the pods: other nodes read it to decide whether to send HBONE.
 func registerAnnotations(p annotationParams) error {
-	if !p.Config.EnableRedirect || p.Clients == nil {
+	if !p.Config.EnableRedirect {
+		return nil
+	}
+	p.Jobs.Add(job.OneShot("derive-ready-annotations", (&readiness{annotationParams: p}).run))
+	if p.Clients == nil {
 		return nil
 	}
 	_, err := reconciler.Register(p.Params, p.Annotations,
@@ -97,7 +102,6 @@ func registerAnnotations(p annotationParams) error {
 	if err != nil {
 		return fmt.Errorf("annotations reconciler: %w", err)
 	}
-	p.Jobs.Add(job.OneShot("derive-ready-annotations", (&readiness{annotationParams: p}).run))
 	return nil
 }
 

@@ -29,6 +29,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/source"
 )
@@ -55,6 +56,8 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
 		tables.Cell, source.Cell, enrollment.Cell,
+		// What xDS tells the mTLS agent follows the datapath (HBONE).
+		workload.Cell,
 		cell.Module("redirect-test", "Redirect cell on a fake kernel",
 			cell.Provide(
 				func() redirect.Datapath { return k },

@@ -17,6 +17,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -29,9 +30,12 @@ type derivationParams struct {
 	DB          *statedb.DB
 	Jobs        job.Registry
 	Health      cell.Health
+	LocalNode   tables.LocalNode
 	Pods        statedb.Table[*tables.Pod]
 	Enrollments statedb.Table[*enrollment.Enrollment]
-	Workloads   statedb.RWTable[*Workload]
+	// Ready says which of this node's pods are really redirected.
+	Ready     statedb.Table[*redirect.ReadyAnnotation]
+	Workloads statedb.RWTable[*Workload]
 }
 
 // derivation keeps one Workload per enrolled pod, following the changes of
@@ -40,18 +44,22 @@ type derivation struct {
 	derivationParams
 	pods        statedb.ChangeIterator[*tables.Pod]
 	enrollments statedb.ChangeIterator[*enrollment.Enrollment]
+	ready       statedb.ChangeIterator[*redirect.ReadyAnnotation]
 	initDone    func(statedb.WriteTxn)
 }
 
 func newDerivation(p derivationParams) (*derivation, error) {
 	d := &derivation{derivationParams: p}
-	wtxn := p.DB.WriteTxn(p.Pods, p.Enrollments, p.Workloads)
+	wtxn := p.DB.WriteTxn(p.Pods, p.Enrollments, p.Ready, p.Workloads)
 	defer wtxn.Abort()
 	var err error
 	if d.pods, err = p.Pods.Changes(wtxn); err != nil {
 		return nil, err
 	}
 	if d.enrollments, err = p.Enrollments.Changes(wtxn); err != nil {
+		return nil, err
+	}
+	if d.ready, err = p.Ready.Changes(wtxn); err != nil {
 		return nil, err
 	}
 	d.initDone = p.Workloads.RegisterInitializer(wtxn, "workload")
@@ -77,10 +85,14 @@ func (d *derivation) step() []<-chan struct{} {
 	for c := range enrollChanges {
 		dirty[c.Object.Key()] = struct{}{}
 	}
+	readyChanges, readyWatch := d.ready.Next(txn)
+	for c := range readyChanges {
+		dirty[c.Object.Pod] = struct{}{}
+	}
 	if len(dirty) > 0 {
 		d.update(dirty)
 	}
-	watches := []<-chan struct{}{podWatch, enrollWatch}
+	watches := []<-chan struct{}{podWatch, enrollWatch, readyWatch}
 	if d.initDone != nil {
 		if ok, w := d.Enrollments.Initialized(txn); ok {
 			wtxn := d.DB.WriteTxn(d.Workloads)
@@ -110,7 +122,7 @@ func (d *derivation) update(dirty map[string]struct{}) {
 			}
 			continue
 		}
-		w, err := New(d.Config.ClusterID, d.Enrollment.TrustDomain, pod)
+		w, err := New(d.Config.ClusterID, d.Enrollment.TrustDomain, pod, d.redirected(wtxn, pod))
 		if err != nil {
 			d.Log.Error("Cannot encode workload", "pod", key, "error", err)
 			continue
@@ -121,12 +133,23 @@ func (d *derivation) update(dirty map[string]struct{}) {
 	}
 }
 
+// redirected tells whether a pod's redirection is really in place: for a
+// pod of this node, from this node's datapath tables (an annotation may be
+// stale after a restart); for a pod elsewhere, from the annotation its node
+// published.
+func (d *derivation) redirected(txn statedb.ReadTxn, pod *tables.Pod) bool {
+	if pod.NodeName != d.LocalNode.NodeName {
+		return pod.RedirectReady
+	}
+	r, _, found := d.Ready.Get(txn, redirect.ReadyAnnotationByPod(pod.Key()))
+	return found && r.Ready
+}
+
 // New encodes the Workload the mTLS agent needs for an enrolled pod
-// (fields as protocols.md lists them). HBONE only when the pod's redirect
-// is published ready.
-func New(clusterID, trustDomain string, pod *tables.Pod) (*Workload, error) {
+// (fields as protocols.md lists them), with tunnel protocol HBONE only when
+// hbone: the pod's redirection is in place.
+func New(clusterID, trustDomain string, pod *tables.Pod, hbone bool) (*Workload, error) {
 	uid := UID(clusterID, pod.Namespace, pod.Name)
-	hbone := pod.RedirectReady
 	w := &workloadapi.Workload{
 		Uid:               uid,
 		Name:              pod.Name,
