@@ -4,6 +4,7 @@ package xds_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -382,5 +383,68 @@ func waitClient(t *testing.T, a *agenttest.Agent, cond func(*xds.Client) bool) {
 		case <-deadline:
 			t.Fatal("no xds-clients row as expected")
 		}
+	}
+}
+
+// A client that stops reading cannot hold the server: its stream holds at
+// most one queued response, is closed after --xds-send-timeout, and other
+// streams are served meanwhile.
+func TestStuckClientIsClosed(t *testing.T) {
+	manifests := t.TempDir()
+	content, err := os.ReadFile("testdata/cluster.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Enough workloads that the snapshot outgrows HTTP/2 flow control
+	// windows of a client that reads nothing.
+	var many strings.Builder
+	for i := range 3000 {
+		fmt.Fprintf(&many, "---\napiVersion: v1\nkind: Pod\nmetadata: {name: filler-%d, namespace: app}\n"+
+			"spec: {nodeName: node-b}\nstatus: {phase: Running, podIPs: [{ip: 10.1.%d.%d}]}\n", i, i/250, i%250+1)
+	}
+	if err := os.WriteFile(filepath.Join(manifests, "cluster.yaml"), append(content, many.String()...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a := agenttest.Start(t, manifests, nil, "--xds-send-timeout=500ms", "--xds-max-resources-per-response=10")
+
+	// The stuck client subscribes and never reads.
+	stuck, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stuck.subscribe(xds.AddressType, nil, false)
+
+	// A healthy client on its own connection gets everything meanwhile.
+	healthy, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	healthy.subscribe(xds.AddressType, nil, false)
+	got := 0
+	for got < 3002 {
+		resp := healthy.recvType(xds.AddressType)
+		got += len(resp.Resources)
+		healthy.ack(resp)
+	}
+
+	// The stuck stream is closed by the server: its row goes.
+	waitClient(t, a, func(c *xds.Client) bool { return c.ResourcesSent == 3002 })
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		rows := 0
+		txn := a.DB.ReadTxn()
+		for range (statedb.AnyTable{Meta: a.DB.GetTable(txn, xds.ClientsTableName)}).All(txn) {
+			rows++
+		}
+		if rows == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d xds-clients rows, want only the healthy stream's", rows)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if !strings.Contains(a.Logs.String(), "client took no response for 500ms") {
+		t.Error("no log line saying why the stuck stream was closed")
 	}
 }
