@@ -6,6 +6,7 @@
 package api
 
 import (
+	"net/http"
 	"path/filepath"
 
 	"github.com/cilium/hive/cell"
@@ -39,6 +40,19 @@ const StateDirFlag = "state-dir"
 // Flags implements cell.Flagger.
 func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String(StateDirFlag, def.StateDir, "Folder for the agent's sockets and state")
+}
+
+// Handler serves one route of the local API, e.g. "GET /v1/bypass".
+type Handler struct {
+	Pattern string
+	Handler http.Handler
+}
+
+// HandlerOut adds a route to the local API.
+type HandlerOut struct {
+	cell.Out
+
+	Handler Handler `group:"api-handlers"`
 }
 
 // SocketPath is the API socket in a state folder.

@@ -23,12 +23,13 @@ import (
 type serverParams struct {
 	cell.In
 
-	Config  Config
-	Log     *slog.Logger
-	DB      *statedb.DB
-	Jobs    job.Registry
-	Health  cell.Health
-	Metrics *prometheus.Registry
+	Config   Config
+	Log      *slog.Logger
+	DB       *statedb.DB
+	Jobs     job.Registry
+	Health   cell.Health
+	Metrics  *prometheus.Registry
+	Handlers []Handler `group:"api-handlers"`
 }
 
 // StatedbPrefix is where statedb's HTTP API (/dump, /dump/TABLE, /query,
@@ -45,6 +46,9 @@ func registerServer(p serverParams) error {
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		writeHealth(w, p.DB)
 	})
+	for _, h := range p.Handlers {
+		mux.Handle(h.Pattern, h.Handler)
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	sock := SocketPath(p.Config.StateDir)
 	p.Jobs.NewGroup(p.Health).Add(job.OneShot("serve", func(ctx context.Context, health cell.Health) error {
