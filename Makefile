@@ -12,6 +12,7 @@ all: build
 
 build:
 	$(GO) build -o $(BIN) ./cmd/mtlsbridge
+	$(GO) build -o $(dir $(BIN))mtlsbridge-cni ./cmd/mtlsbridge-cni
 
 # kube-assets builds kube-apiserver and etcd once (about 10 minutes cold) and
 # caches them under ~/.cache/mtlsbridge; later runs take no time.

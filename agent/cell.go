@@ -10,6 +10,7 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/cni"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
@@ -38,6 +39,7 @@ var Cell = cell.Group(
 	identity.Cell,   // certificate authority for the mTLS agent
 	workload.Cell,   // workloads: the Workload API resources of enrolled pods
 	xds.Cell,        // delta xDS for the mTLS agent
+	cni.Cell,        // chained CNI plugin: enrolled pods start only once redirected; its installer
 	// The hive shell (all script commands, e.g. db/show) on a socket in the
 	// state folder; cmd sets its path from --state-dir.
 	shell.ServerCell(""),

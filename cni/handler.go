@@ -1,0 +1,188 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package cni
+
+import (
+	"encoding/json"
+	"log/slog"
+	"net/http"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+
+	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+type handlerParams struct {
+	cell.In
+
+	Log         *slog.Logger
+	DB          *statedb.DB
+	Enrollment  enrollment.Config
+	Redirect    redirect.Config
+	Pods        statedb.Table[*tables.Pod]
+	Namespaces  statedb.Table[*tables.Namespace]
+	Policies    statedb.Table[*tables.Policy]
+	Endpoints   statedb.Table[*tables.Endpoint]
+	Annotations statedb.Table[*redirect.ReadyAnnotation]
+	CNIPods     statedb.RWTable[*Pod]
+}
+
+type handlersOut struct {
+	cell.Out
+
+	Ask    api.Handler `group:"api-handlers"`
+	Forget api.Handler `group:"api-handlers"`
+}
+
+func newHandlers(p handlerParams) handlersOut {
+	h := &handler{p}
+	return handlersOut{
+		Ask:    api.Handler{Pattern: "POST " + plugin.PodPathPrefix + "{namespace}/{name}", Handler: http.HandlerFunc(h.ask)},
+		Forget: api.Handler{Pattern: "DELETE " + plugin.ContainerPathPrefix + "{id}", Handler: http.HandlerFunc(h.forget)},
+	}
+}
+
+type handler struct{ handlerParams }
+
+// ask answers the plugin's question for one container of a pod, holding
+// the answer (up to ?wait=) until it is final. The row of the container in
+// cni-pods records the last answer.
+func (h *handler) ask(w http.ResponseWriter, r *http.Request) {
+	key := r.PathValue("namespace") + "/" + r.PathValue("name")
+	var req plugin.Request
+	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil {
+		http.Error(w, "bad request body: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	if req.ContainerID == "" {
+		http.Error(w, "containerID missing", http.StatusBadRequest)
+		return
+	}
+	var wait time.Duration
+	if s := r.URL.Query().Get("wait"); s != "" {
+		d, err := time.ParseDuration(s)
+		if err != nil || d < 0 {
+			http.Error(w, "bad wait: "+s, http.StatusBadRequest)
+			return
+		}
+		wait = min(d, plugin.MaxWait)
+	}
+	timeout := time.NewTimer(wait)
+	defer timeout.Stop()
+
+	var ans plugin.Answer
+	first := true
+wait:
+	for {
+		var watches watches
+		ans, watches = h.decide(key, req)
+		if first && !ans.Final() {
+			h.record(key, req, ans) // operators see who is waiting
+		}
+		first = false
+		if ans.Final() {
+			break
+		}
+		select {
+		case <-r.Context().Done():
+			return
+		case <-timeout.C:
+			break wait
+		case <-watches.pod:
+		case <-watches.namespaces:
+		case <-watches.policies:
+		case <-watches.annotation:
+		}
+	}
+	h.record(key, req, ans)
+	h.Log.Info("CNI pod start", "pod", key, "container", req.ContainerID, "ips", req.IPs,
+		"enrolled", ans.Enrolled, "reason", ans.Reason, "redirect", ans.Redirect, "known", ans.Known)
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(ans)
+}
+
+// watches close when an answer may change; nil ones never do.
+type watches struct{ pod, namespaces, policies, annotation <-chan struct{} }
+
+// decide computes the answer in one snapshot and returns what to watch for
+// a change of it.
+func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, watches) {
+	txn := h.DB.ReadTxn()
+	var w watches
+	pod, _, podWatch, found := h.Pods.GetWatch(txn, tables.PodByKey(key))
+	w.pod = podWatch
+	if !found {
+		return plugin.Answer{}, w
+	}
+	_, w.namespaces = h.Namespaces.AllWatch(txn)
+	_, w.policies = h.Policies.AllWatch(txn)
+	row, _, annWatch, hasRow := h.Annotations.GetWatch(txn, redirect.ReadyAnnotationByPod(key))
+	w.annotation = annWatch
+
+	// The API has no address for the pod yet at ADD time (the enrollments
+	// table says excluded:no-ip): decide as if it had the reported ones.
+	asReported := *pod
+	if len(req.IPs) > 0 {
+		asReported.IPs = req.IPs
+	}
+	e := enrollment.Decide(h.Enrollment, txn, h.Namespaces, h.Policies, h.Endpoints, &asReported)
+	ans := plugin.Answer{Known: true, Enrolled: e.Enrolled, Reason: e.Reason}
+	switch {
+	case !e.Enrolled:
+		ans.Redirect = plugin.RedirectNotNeeded
+	case !h.Redirect.EnableRedirect:
+		ans.Redirect, ans.Detail = plugin.RedirectPending, "the datapath is disabled (--enable-redirect=false)"
+	case !hasRow || !row.Ready:
+		ans.Redirect, ans.Detail = plugin.RedirectPending, "no ready row in ready-annotations"
+	case !sameAddrs(pod, req):
+		// A ready row describes the addresses of the API: a new sandbox
+		// with new addresses is not covered by it.
+		ans.Redirect, ans.Detail = plugin.RedirectPending, "ready-annotations is ready for other addresses than the reported ones"
+	default:
+		ans.Redirect = plugin.RedirectReady
+	}
+	return ans, w
+}
+
+func sameAddrs(pod *tables.Pod, req plugin.Request) bool {
+	if len(req.IPs) == 0 {
+		return true
+	}
+	have, want := slices.Clone(pod.IPs), slices.Clone(req.IPs)
+	slices.SortFunc(have, netip.Addr.Compare)
+	slices.SortFunc(want, netip.Addr.Compare)
+	return slices.Equal(slices.Compact(have), slices.Compact(want))
+}
+
+func (h *handler) record(key string, req plugin.Request, ans plugin.Answer) {
+	state := StateWaiting
+	if ans.Final() {
+		state = StateAllowed
+	}
+	wtxn := h.DB.WriteTxn(h.CNIPods)
+	h.CNIPods.Insert(wtxn, &Pod{
+		ContainerID: req.ContainerID, Pod: key, IPs: req.IPs, Netns: req.Netns, IfName: req.IfName,
+		Enrolled: ans.Enrolled, Reason: ans.Reason, Redirect: ans.Redirect, State: state, Updated: time.Now(),
+	})
+	wtxn.Commit()
+}
+
+// forget removes a container's row (CNI DEL).
+func (h *handler) forget(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	wtxn := h.DB.WriteTxn(h.CNIPods)
+	if old, _, ok := h.CNIPods.Get(wtxn, PodByContainer(id)); ok {
+		h.CNIPods.Delete(wtxn, old)
+		h.Log.Info("CNI container deleted", "pod", old.Pod, "container", id)
+	}
+	wtxn.Commit()
+	w.WriteHeader(http.StatusNoContent)
+}
