@@ -13,6 +13,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/cni"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
@@ -39,6 +40,7 @@ var Cell = cell.Group(
 	identity.Cell,   // certificate authority for the mTLS agent
 	workload.Cell,   // workloads: the Workload API resources of enrolled pods
 	xds.Cell,        // delta xDS for the mTLS agent
+	bypass.Cell,     // bypass: enrolled pods checked against the kernel and xDS acknowledgements
 	cni.Cell,        // chained CNI plugin: enrolled pods start only once redirected; its installer
 	// The hive shell (all script commands, e.g. db/show) on a socket in the
 	// state folder; cmd sets its path from --state-dir.

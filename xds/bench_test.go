@@ -183,9 +183,11 @@ func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryService
 	return serve(b, func(srv *grpc.Server) { discovery.RegisterAggregatedDiscoveryServiceServer(srv, s) })
 }
 
+// change gives workload i new content: its canonical revision ("version"
+// label) becomes gen.
 func (t *tableBackend) change(b *testing.B, i, gen int) string {
 	pod := benchPod(i, 0)
-	pod.Labels = tables.NewLabels(map[string]string{"app": "changed", "gen": fmt.Sprint(gen)})
+	pod.Labels = tables.NewLabels(map[string]string{"app": "changed", "version": fmt.Sprint(gen)})
 	w, err := workload.New("Kubernetes", "cluster.local", pod, true)
 	if err != nil {
 		b.Fatal(err)
@@ -204,7 +206,7 @@ type linearBackend struct {
 func linearResource(i, gen int, changed bool) (string, cachetypes.Resource) {
 	pod := benchPod(i, 0)
 	if changed {
-		pod.Labels = tables.NewLabels(map[string]string{"app": "changed", "gen": fmt.Sprint(gen)})
+		pod.Labels = tables.NewLabels(map[string]string{"app": "changed", "version": fmt.Sprint(gen)})
 	}
 	w, _ := workload.New("Kubernetes", "cluster.local", pod, true)
 	var addr workloadapi.Address
@@ -275,6 +277,7 @@ func BenchmarkXDSChangeLatency(b *testing.B) {
 				back := be.new(b, n)
 				client := back.client(b)
 				var latencies []time.Duration
+				gen := 0 // each change is new content, across rounds too
 				for b.Loop() {
 					c := subscribe(b, client)
 					got := 0
@@ -287,7 +290,8 @@ func BenchmarkXDSChangeLatency(b *testing.B) {
 						// each is a push of its own.
 						time.Sleep(2 * time.Millisecond)
 						start := time.Now()
-						name := back.change(b, (k*7919)%n, k+1)
+						gen++
+						name := back.change(b, (k*7919)%n, gen)
 						c.until(b, func(resp *discovery.DeltaDiscoveryResponse) bool {
 							return slices.ContainsFunc(resp.Resources, func(r *discovery.Resource) bool { return r.Name == name })
 						})

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -59,6 +60,21 @@ type stream struct {
 	// building more, and changes coalesce in the table meanwhile.
 	sendq   chan *discovery.DeltaDiscoveryResponse
 	sendErr chan error
+
+	// txn is the snapshot the response being built reads from.
+	txn statedb.ReadTxn
+	// local are this node's workloads offered for the response being
+	// built (uid: HBONE); pending, what each response in flight carried
+	// of them, by nonce, until the client acknowledges it.
+	local   map[string]bool
+	pending map[uint64][]sentWorkload
+}
+
+// sentWorkload is one of this node's workloads in a response.
+type sentWorkload struct {
+	uid     string
+	hbone   bool
+	removed bool
 }
 
 func (st *stream) run() error {
@@ -163,6 +179,9 @@ func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
 		} else {
 			st.record(func(c *Client) { c.LastAckNonce = nonce })
 		}
+		if req.GetTypeUrl() == AddressType {
+			st.acknowledged(nonce, req.GetErrorDetail() == nil)
+		}
 	}
 
 	first := !ts.subscribed
@@ -242,6 +261,7 @@ func (st *stream) answerAddresses(ts *typeState, first bool, added []string) err
 		if err != nil {
 			return err
 		}
+		st.txn = txn
 		st.changes = it
 		// What the client says it holds and is gone must be removed.
 		for name := range ts.held {
@@ -266,6 +286,7 @@ func (st *stream) answerAddresses(ts *typeState, first bool, added []string) err
 		}
 	} else {
 		txn = st.srv.DB.ReadTxn()
+		st.txn = txn
 	}
 	for _, name := range added {
 		w := st.resolve(txn, name)
@@ -319,6 +340,12 @@ func (st *stream) offerFrom(alloc *resourceSlab, ts *typeState, w *workload.Work
 		return nil
 	}
 	ts.held[w.UID] = w.Version
+	if st.isLocal(w) {
+		if st.local == nil {
+			st.local = map[string]bool{}
+		}
+		st.local[w.UID] = w.HBONE
+	}
 	r, a := alloc.next()
 	r.Name, r.Version, r.Resource = w.UID, w.VersionString(), a
 	a.TypeUrl, a.Value = AddressType, w.Resource
@@ -348,7 +375,8 @@ func (s *resourceSlab) next() (*discovery.Resource, *anypb.Any) {
 // pushChanges sends what changed in the workloads table since the last push.
 func (st *stream) pushChanges() (<-chan struct{}, error) {
 	ts := st.types[AddressType]
-	changes, watch := st.changes.Next(st.srv.DB.ReadTxn())
+	st.txn = st.srv.DB.ReadTxn()
+	changes, watch := st.changes.Next(st.txn)
 	var resources []*discovery.Resource
 	var removed []string
 	for c := range changes {
@@ -384,6 +412,7 @@ func (st *stream) send(typeURL string, resources []*discovery.Resource, removed 
 		if first {
 			resp.RemovedResources = removed
 		}
+		st.track(st.nonce, resp)
 		resources = resources[n:]
 		timeout := time.NewTimer(st.srv.Config.XDSSendTimeout)
 		select {
@@ -405,6 +434,69 @@ func (st *stream) send(typeURL string, resources []*discovery.Resource, removed 
 	return nil
 }
 
+// acknowledged settles the Address responses up to nonce: the client
+// answers a type's responses in order, so older ones still pending were
+// answered already or never will be. An ACK records this node's workloads
+// the response carried.
+func (st *stream) acknowledged(nonce string, ack bool) {
+	n, err := strconv.ParseUint(nonce, 10, 64)
+	if err != nil {
+		return
+	}
+	if sent, ok := st.pending[n]; ok && ack {
+		st.srv.acks.ack(st.client.ID, sent)
+	}
+	for k := range st.pending {
+		if k <= n {
+			delete(st.pending, k)
+		}
+	}
+}
+
+// isLocal reports whether w is the workload of a pod of this node.
+func (st *stream) isLocal(w *workload.Workload) bool {
+	if st.srv.Node.NodeName == "" || st.txn == nil {
+		return false
+	}
+	_, key, ok := strings.Cut(w.UID, "//Pod/")
+	if !ok {
+		return false
+	}
+	pod, _, found := st.srv.Pods.Get(st.txn, tables.PodByKey(key))
+	return found && pod.NodeName == st.srv.Node.NodeName
+}
+
+// track remembers what response nonce carries of this node's workloads.
+func (st *stream) track(nonce uint64, resp *discovery.DeltaDiscoveryResponse) {
+	if resp.TypeUrl != AddressType {
+		return
+	}
+	var sent []sentWorkload
+	for _, r := range resp.Resources {
+		if hbone, ok := st.local[r.Name]; ok {
+			sent = append(sent, sentWorkload{uid: r.Name, hbone: hbone})
+			delete(st.local, r.Name)
+		}
+	}
+	for _, uid := range resp.RemovedResources {
+		sent = append(sent, sentWorkload{uid: uid, removed: true})
+	}
+	if len(sent) == 0 {
+		return
+	}
+	if st.pending == nil {
+		st.pending = map[uint64][]sentWorkload{}
+	}
+	// A client that never acknowledges must not grow this without end.
+	if len(st.pending) >= maxPending {
+		delete(st.pending, slices.Min(slices.Collect(maps.Keys(st.pending))))
+	}
+	st.pending[nonce] = sent
+}
+
+// maxPending bounds the responses a stream tracks until acknowledged.
+const maxPending = 64
+
 // record updates the stream's xds-clients row.
 func (st *stream) record(update func(*Client)) {
 	c := *st.client
@@ -418,6 +510,7 @@ func (st *stream) record(update func(*Client)) {
 
 // forget removes the stream's row.
 func (st *stream) forget() {
+	st.srv.acks.forget(st.client.ID)
 	txn := st.srv.DB.WriteTxn(st.srv.Clients)
 	st.srv.Clients.Delete(txn, st.client)
 	txn.Commit()

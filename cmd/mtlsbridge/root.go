@@ -23,7 +23,7 @@ func rootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(agentCmd(), dbCmd(), caCmd(), shellCmd(), versionCmd())
+	root.AddCommand(agentCmd(), dbCmd(), caCmd(), bypassCmd(), shellCmd(), versionCmd())
 	return root
 }
 

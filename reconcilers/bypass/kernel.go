@@ -1,0 +1,107 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package bypass
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+
+	"github.com/mtlsbridge/mtlsbridge/bpf"
+)
+
+// pinnedKernel reads the datapath through its pins under --bpf-root, and
+// the node's interfaces through netlink in the node's network namespace.
+// It opens everything anew at each call, and so sees what another process
+// (or a person with bpftool) did behind the agent's back.
+type pinnedKernel struct {
+	root  string
+	netns netns.NsHandle // netns.None() for the agent's own
+}
+
+var _ Kernel = (*pinnedKernel)(nil)
+
+// Entries implements Kernel.
+func (k *pinnedKernel) Entries() (map[netip.Addr]bpf.Entry, error) {
+	pin := filepath.Join(k.root, bpf.MapName)
+	m, err := ebpf.LoadPinnedMap(pin, &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w", pin, err)
+	}
+	defer m.Close()
+	return bpf.NewRedirectMap(m).Dump()
+}
+
+// Link implements Kernel. The pin name follows the redirect reconciler's:
+// bpffs refuses dots, interface names cannot hold colons.
+func (k *pinnedKernel) Link(device string) (bpf.LinkInfo, error) {
+	pin := filepath.Join(k.root, "links", strings.ReplaceAll(device, ".", ":"))
+	var li bpf.LinkInfo
+	err := k.do(func() error {
+		var err error
+		li, err = bpf.PinnedLink(pin)
+		return err
+	})
+	return li, err
+}
+
+// Interface implements Kernel.
+func (k *pinnedKernel) Interface(ifindex int) (string, bool, error) {
+	h, err := netlink.NewHandleAt(k.netns)
+	if err != nil {
+		return "", false, err
+	}
+	defer h.Close()
+	l, err := h.LinkByIndex(ifindex)
+	if err != nil {
+		var notFound netlink.LinkNotFoundError
+		if errors.As(err, &notFound) {
+			return "", false, fmt.Errorf("%w: %w", os.ErrNotExist, err)
+		}
+		return "", false, err
+	}
+	a := l.Attrs()
+	// Veth pairs report up only when both ends are; virtual devices
+	// without carrier report unknown, which carries traffic.
+	up := a.Flags&net.FlagUp != 0 && (a.OperState == netlink.OperUp || a.OperState == netlink.OperUnknown)
+	return a.Name, up, nil
+}
+
+// do runs fn on an OS thread in the node's namespace: interface indexes
+// given to the kernel (TCX queries) are resolved in the calling thread's.
+func (k *pinnedKernel) do(fn func() error) error {
+	if !k.netns.IsOpen() {
+		return fn()
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := netns.Get()
+		if err != nil {
+			errc <- err
+			return // the thread stays locked and dies with the goroutine
+		}
+		defer orig.Close()
+		if err := netns.Set(k.netns); err != nil {
+			errc <- err
+			return
+		}
+		ferr := fn()
+		if err := netns.Set(orig); err != nil {
+			errc <- errors.Join(ferr, err)
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- ferr
+	}()
+	return <-errc
+}
