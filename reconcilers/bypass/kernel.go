@@ -9,14 +9,13 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"runtime"
-	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 )
 
 // pinnedKernel reads the datapath through its pins under --bpf-root, and
@@ -44,7 +43,7 @@ func (k *pinnedKernel) Entries() (map[netip.Addr]bpf.Entry, error) {
 // Link implements Kernel. The pin name follows the redirect reconciler's:
 // bpffs refuses dots, interface names cannot hold colons.
 func (k *pinnedKernel) Link(device string) (bpf.LinkInfo, error) {
-	pin := filepath.Join(k.root, "links", strings.ReplaceAll(device, ".", ":"))
+	pin := redirect.LinkPin(k.root, device)
 	var li bpf.LinkInfo
 	err := k.do(func() error {
 		var err error
@@ -76,32 +75,5 @@ func (k *pinnedKernel) Interface(ifindex int) (string, bool, error) {
 	return a.Name, up, nil
 }
 
-// do runs fn on an OS thread in the node's namespace: interface indexes
-// given to the kernel (TCX queries) are resolved in the calling thread's.
-func (k *pinnedKernel) do(fn func() error) error {
-	if !k.netns.IsOpen() {
-		return fn()
-	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return // the thread stays locked and dies with the goroutine
-		}
-		defer orig.Close()
-		if err := netns.Set(k.netns); err != nil {
-			errc <- err
-			return
-		}
-		ferr := fn()
-		if err := netns.Set(orig); err != nil {
-			errc <- errors.Join(ferr, err)
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
-}
+// do runs fn on an OS thread in the node's namespace.
+func (k *pinnedKernel) do(fn func() error) error { return redirect.InNetns(k.netns, fn) }

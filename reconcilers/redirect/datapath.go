@@ -148,10 +148,14 @@ func (dp *bpfDatapath) Attached() ([]string, error) {
 	return devices, nil
 }
 
-// pin is the link pin of a device. bpffs refuses dots in names and
-// interface names cannot hold colons, so dots become colons.
-func (dp *bpfDatapath) pin(device string) string {
-	return filepath.Join(dp.linksDir, strings.ReplaceAll(device, ".", ":"))
+// pin is the link pin of a device.
+func (dp *bpfDatapath) pin(device string) string { return LinkPin(dp.root, device) }
+
+// LinkPin is where the link of a device is pinned under the bpffs root.
+// bpffs refuses dots in names and interface names cannot hold colons, so
+// dots become colons.
+func LinkPin(bpfRoot, device string) string {
+	return filepath.Join(bpfRoot, "links", strings.ReplaceAll(device, ".", ":"))
 }
 
 func unpinName(name string) string { return strings.ReplaceAll(name, ":", ".") }

@@ -34,8 +34,13 @@ func newNodeNetns(lc cell.Lifecycle, cfg Config) (*nodeNetns, error) {
 
 // do runs fn on an OS thread in the node's namespace (a locked thread of
 // its own when that is not the agent's namespace).
-func (n *nodeNetns) do(fn func() error) error {
-	if !n.handle.IsOpen() {
+func (n *nodeNetns) do(fn func() error) error { return InNetns(n.handle, fn) }
+
+// InNetns runs fn on an OS thread in the namespace h, or right here when h
+// is not open (the agent's own namespace). Interface indexes given to the
+// kernel (netlink, TCX) are resolved in the calling thread's namespace.
+func InNetns(h netns.NsHandle, fn func() error) error {
+	if !h.IsOpen() {
 		return fn()
 	}
 	errc := make(chan error, 1)
@@ -47,7 +52,7 @@ func (n *nodeNetns) do(fn func() error) error {
 			return // the thread stays locked and dies with the goroutine
 		}
 		defer orig.Close()
-		if err := netns.Set(n.handle); err != nil {
+		if err := netns.Set(h); err != nil {
 			errc <- err
 			return
 		}
