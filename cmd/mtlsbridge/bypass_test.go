@@ -4,7 +4,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"net"
@@ -14,12 +13,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/hive"
-	"github.com/cilium/hive/hivetest"
-	"github.com/spf13/pflag"
-
-	"github.com/mtlsbridge/mtlsbridge/agent"
 	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 )
 
@@ -38,29 +33,13 @@ func runBypassCmd(t *testing.T, args ...string) (string, error) {
 // without datapath: node-a's enrolled pods bypass, and the command says
 // why and fails (exit 1).
 func TestBypassCommandDatapathDisabled(t *testing.T) {
-	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(stateDir) })
-
-	h := hive.New(agent.Infrastructure, agent.Cell)
-	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
-	h.RegisterFlags(flags)
-	if err := flags.Parse([]string{"--source=dir:../../testdata/demo", "--state-dir=" + stateDir,
-		"--shell-sock-path=" + api.ShellSocketPath(stateDir), "--node-name=node-a", "--grpc-listen=127.0.0.1:0", "--enable-redirect=false"}); err != nil {
-		t.Fatal(err)
-	}
-	log := hivetest.Logger(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if err := h.Start(log, ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	stateDir := agenttest.Start(t, "../../testdata/demo", nil).StateDir
 
 	// The API serves once the sources are synced.
-	var out string
+	var (
+		out string
+		err error
+	)
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		out, err = runBypassCmd(t, "--state-dir="+stateDir)

@@ -4,19 +4,12 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
-	"os"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/cilium/hive"
-	"github.com/cilium/hive/hivetest"
-	"github.com/spf13/pflag"
-
-	"github.com/mtlsbridge/mtlsbridge/agent"
-	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 )
 
 // Flags that make no sense stop the agent with a message naming the flag.
@@ -52,26 +45,7 @@ func TestAgentRejectsBadFlags(t *testing.T) {
 
 // db show and db dump read the tables of a running agent through its sockets.
 func TestDBCommandsAgainstRunningAgent(t *testing.T) {
-	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(stateDir) })
-
-	h := hive.New(agent.Infrastructure, agent.Cell)
-	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
-	h.RegisterFlags(flags)
-	if err := flags.Parse([]string{"--source=dir:../../testdata/demo", "--state-dir=" + stateDir,
-		"--shell-sock-path=" + api.ShellSocketPath(stateDir), "--node-name=node-a", "--grpc-listen=127.0.0.1:0", "--enable-redirect=false"}); err != nil {
-		t.Fatal(err)
-	}
-	log := hivetest.Logger(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if err := h.Start(log, ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	stateDir := agenttest.Start(t, "../../testdata/demo", nil).StateDir
 
 	run := func(args ...string) (string, error) {
 		cmd := rootCmd()

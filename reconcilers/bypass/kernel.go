@@ -40,8 +40,7 @@ func (k *pinnedKernel) Entries() (map[netip.Addr]bpf.Entry, error) {
 	return bpf.NewRedirectMap(m).Dump()
 }
 
-// Link implements Kernel. The pin name follows the redirect reconciler's:
-// bpffs refuses dots, interface names cannot hold colons.
+// Link implements Kernel: the link the redirect reconciler pinned for device.
 func (k *pinnedKernel) Link(device string) (bpf.LinkInfo, error) {
 	pin := redirect.LinkPin(k.root, device)
 	var li bpf.LinkInfo
