@@ -63,9 +63,6 @@ func UID(clusterID, namespace, name string) string {
 	return clusterID + "//Pod/" + namespace + "/" + name
 }
 
-// AddressName is the on-demand name of an address: "network/ip".
-func AddressName(network string, ip netip.Addr) string { return network + "/" + ip.String() }
-
 var (
 	uidIndex = statedb.Index[*Workload, string]{
 		Name:       "uid",
