@@ -65,7 +65,7 @@ func newAuthenticator(p authParams) *Authenticator {
 	a := &Authenticator{log: p.Log, metrics: p.Metrics, localNode: p.LocalNode, db: p.DB, pods: p.Pods}
 	switch {
 	case p.Clients != nil:
-		a.verify = tokenReview(p.Clients, p.Config.TokenAudiences)
+		a.verify = newReviewCache(tokenReview(p.Clients, p.Config.TokenAudiences)).verify
 	case p.Config.TokenFile != "":
 		a.verify = tokenFile(p.Config.TokenFile)
 	default:

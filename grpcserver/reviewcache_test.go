@@ -1,0 +1,93 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package grpcserver
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	authnv1 "k8s.io/api/authentication/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	"github.com/mtlsbridge/mtlsbridge/tables/source"
+)
+
+// The cache in front of TokenReview: repeated tokens are asked once per
+// TTL, refusals are remembered briefly, API failures not at all, and a
+// flood of distinct tokens cannot grow it beyond its bound. (The real
+// TokenReview is tested against a kube-apiserver in agent/k8s_ca_test.go.)
+func TestReviewCache(t *testing.T) {
+	reviews := 0
+	apiDown := false
+	client := fake.NewClientset()
+	client.PrependReactor("create", "tokenreviews", func(action k8stesting.Action) (bool, runtime.Object, error) {
+		reviews++
+		if apiDown {
+			return true, nil, fmt.Errorf("connection refused")
+		}
+		tr := action.(k8stesting.CreateAction).GetObject().(*authnv1.TokenReview)
+		if tr.Spec.Token != "good" {
+			return true, &authnv1.TokenReview{Status: authnv1.TokenReviewStatus{Error: "invalid token"}}, nil
+		}
+		return true, &authnv1.TokenReview{Status: authnv1.TokenReviewStatus{
+			Authenticated: true,
+			User: authnv1.UserInfo{Username: "system:serviceaccount:kube-system:ztunnel",
+				Extra: map[string]authnv1.ExtraValue{extraPodName: {"ztunnel-a"}, extraNodeName: {"node-a"}}},
+		}}, nil
+	})
+	now := time.Unix(1000, 0)
+	c := newReviewCache(tokenReview(&source.Clients{Kube: client}, []string{"istio-ca"}))
+	c.now = func() time.Time { return now }
+	ctx := context.Background()
+
+	want := Caller{Namespace: "kube-system", Pod: "ztunnel-a", ServiceAccount: "ztunnel", Node: "node-a"}
+	for range 3 {
+		if got, err := c.verify(ctx, "good"); err != nil || got != want {
+			t.Fatalf("verify(good) = %+v, %v", got, err)
+		}
+	}
+	if reviews != 1 {
+		t.Fatalf("%d TokenReviews for one token within the TTL, want 1", reviews)
+	}
+	now = now.Add(reviewTTL)
+	c.verify(ctx, "good")
+	if reviews != 2 {
+		t.Fatalf("%d TokenReviews after the TTL, want 2", reviews)
+	}
+
+	// Refusals: remembered for refusalTTL.
+	for range 2 {
+		if _, err := c.verify(ctx, "bad"); status.Code(err) != codes.Unauthenticated {
+			t.Fatalf("verify(bad) = %v, want Unauthenticated", err)
+		}
+	}
+	if reviews != 3 {
+		t.Fatalf("%d TokenReviews, want the refusal asked once", reviews)
+	}
+
+	// An API server that does not answer teaches nothing: asked again.
+	apiDown = true
+	for range 2 {
+		if _, err := c.verify(ctx, "other"); status.Code(err) != codes.Unavailable {
+			t.Fatalf("verify with the API down = %v, want Unavailable", err)
+		}
+	}
+	if reviews != 5 {
+		t.Fatalf("%d TokenReviews, want failures not cached", reviews)
+	}
+
+	// A flood of distinct tokens stays bounded.
+	apiDown = false
+	for i := range 3 * maxReviews {
+		c.verify(ctx, fmt.Sprintf("flood-%d", i))
+	}
+	if n := len(c.entries); n > maxReviews {
+		t.Fatalf("%d cached reviews, want at most %d", n, maxReviews)
+	}
+}
