@@ -28,6 +28,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/internal/heapstat"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -333,13 +334,7 @@ func BenchmarkXDSMemory(b *testing.B) {
 }
 
 func heapPerWorkload(b *testing.B, build func() (any, func()), n int) float64 {
-	heap := func() int64 {
-		runtime.GC()
-		runtime.GC()
-		var m runtime.MemStats
-		runtime.ReadMemStats(&m)
-		return int64(m.HeapAlloc)
-	}
+	heap := heapstat.Settled
 	before := heap()
 	held, stop := build()
 	// Let the server settle (its last responses are out).
