@@ -113,19 +113,10 @@ func TestKubernetesCA(t *testing.T) {
 }
 
 func createPodAs(t *testing.T, kube kubernetes.Interface, ns, name, node, sa string, labels map[string]string, ip string) *corev1.Pod {
-	pod := &corev1.Pod{
+	return kubetest.CreateRunningPod(t, kube, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: labels},
-		Spec: corev1.PodSpec{
-			NodeName: node, ServiceAccountName: sa,
-			Containers: []corev1.Container{{Name: "main", Image: "registry.invalid/none"}},
-		},
-	}
-	created, err := kube.CoreV1().Pods(ns).Create(t.Context(), pod, metav1.CreateOptions{})
-	must(t, err)
-	created.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}}
-	updated, err := kube.CoreV1().Pods(ns).UpdateStatus(t.Context(), created, metav1.UpdateOptions{})
-	must(t, err)
-	return updated
+		Spec:       corev1.PodSpec{NodeName: node, ServiceAccountName: sa},
+	}, ip)
 }
 
 func waitEnrolled(t *testing.T, a *k8sAgent, key string) {

@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -22,8 +21,6 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
-	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/mtlsbridge/mtlsbridge/agent"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
@@ -180,7 +177,7 @@ type k8sAgent struct {
 }
 
 func startAgent(t *testing.T, cfg *rest.Config) *k8sAgent {
-	kubeconfig := writeKubeconfig(t, cfg)
+	kubeconfig := kubetest.WriteKubeconfig(t, cfg)
 	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
 	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(stateDir) })
@@ -202,40 +199,18 @@ func startAgent(t *testing.T, cfg *rest.Config) *k8sAgent {
 	return a
 }
 
-// writeKubeconfig writes the admin configuration as a kubeconfig file, so
-// that the agent is configured the way an operator configures it.
-func writeKubeconfig(t *testing.T, cfg *rest.Config) string {
-	path := filepath.Join(t.TempDir(), "kubeconfig")
-	kc := clientcmdapi.NewConfig()
-	kc.Clusters["test"] = &clientcmdapi.Cluster{Server: cfg.Host, CertificateAuthorityData: cfg.CAData}
-	kc.AuthInfos["admin"] = &clientcmdapi.AuthInfo{Token: cfg.BearerToken}
-	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "admin"}
-	kc.CurrentContext = "test"
-	must(t, clientcmd.WriteToFile(*kc, path))
-	return path
-}
-
 func createNamespace(t *testing.T, kube kubernetes.Interface, name string, labels map[string]string) {
 	_, err := kube.CoreV1().Namespaces().Create(t.Context(),
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
 	must(t, err)
 }
 
-// createPod creates a pod bound to a node and gives it the status a kubelet
-// would (no kubelet runs here).
+// createPod creates a running pod bound to a node.
 func createPod(t *testing.T, kube kubernetes.Interface, ns, name, node string, labels map[string]string, ip string) {
-	pod := &corev1.Pod{
+	kubetest.CreateRunningPod(t, kube, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: labels},
-		Spec: corev1.PodSpec{
-			NodeName:   node,
-			Containers: []corev1.Container{{Name: "main", Image: "registry.invalid/none"}},
-		},
-	}
-	created, err := kube.CoreV1().Pods(ns).Create(t.Context(), pod, metav1.CreateOptions{})
-	must(t, err)
-	created.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}}
-	_, err = kube.CoreV1().Pods(ns).UpdateStatus(t.Context(), created, metav1.UpdateOptions{})
-	must(t, err)
+		Spec:       corev1.PodSpec{NodeName: node},
+	}, ip)
 }
 
 func createObject(t *testing.T, dyn dynamic.Interface, gvr schema.GroupVersionResource, ns string, obj map[string]any) {

@@ -4,7 +4,6 @@ package bypass_test
 
 import (
 	"net/netip"
-	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -12,9 +11,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
-	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
@@ -41,7 +37,7 @@ func TestReadyTaint(t *testing.T) {
 	must(t, err)
 	createPod(t, kube, "a", map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeWorkload}, nd.a.IP4, nd.a.IP6)
 
-	ag := nd.startAgent(t, "--source=k8s", "--kubeconfig="+writeKubeconfig(t, cfg), "--ready-taint="+taintKey+":NoSchedule")
+	ag := nd.startAgent(t, "--source=k8s", "--kubeconfig="+kubetest.WriteKubeconfig(t, cfg), "--ready-taint="+taintKey+":NoSchedule")
 	tainted := func() bool {
 		n, err := kube.CoreV1().Nodes().Get(ctx, "node-a", metav1.GetOptions{})
 		must(t, err)
@@ -67,31 +63,15 @@ func TestReadyTaint(t *testing.T) {
 	ag.waitClean(t, "app/a")
 }
 
-// createPod creates a pod on node-a with the status a kubelet would give
-// it (no kubelet runs here).
+// createPod creates a running pod in namespace app.
 func createPod(t *testing.T, kube kubernetes.Interface, name string, labels map[string]string, ips ...netip.Addr) {
 	t.Helper()
-	pod := &corev1.Pod{
+	addrs := make([]string, len(ips))
+	for i, ip := range ips {
+		addrs[i] = ip.String()
+	}
+	kubetest.CreateRunningPod(t, kube, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "app", Labels: labels},
-		Spec:       corev1.PodSpec{NodeName: "node-a", Containers: []corev1.Container{{Name: "main", Image: "registry.invalid/none"}}},
-	}
-	created, err := kube.CoreV1().Pods("app").Create(t.Context(), pod, metav1.CreateOptions{})
-	must(t, err)
-	created.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ips[0].String()}
-	for _, ip := range ips {
-		created.Status.PodIPs = append(created.Status.PodIPs, corev1.PodIP{IP: ip.String()})
-	}
-	_, err = kube.CoreV1().Pods("app").UpdateStatus(t.Context(), created, metav1.UpdateOptions{})
-	must(t, err)
-}
-
-func writeKubeconfig(t *testing.T, cfg *rest.Config) string {
-	path := filepath.Join(t.TempDir(), "kubeconfig")
-	kc := clientcmdapi.NewConfig()
-	kc.Clusters["test"] = &clientcmdapi.Cluster{Server: cfg.Host, CertificateAuthorityData: cfg.CAData}
-	kc.AuthInfos["admin"] = &clientcmdapi.AuthInfo{Token: cfg.BearerToken}
-	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "admin"}
-	kc.CurrentContext = "test"
-	must(t, clientcmd.WriteToFile(*kc, path))
-	return path
+		Spec:       corev1.PodSpec{NodeName: "node-a"},
+	}, addrs...)
 }
