@@ -27,3 +27,23 @@ func RunDerivation(ctx context.Context, health cell.Health, step func() []<-chan
 		}
 	}
 }
+
+// WaitInitialized waits until every table is initialized, reporting which
+// one it waits for. It returns false when ctx ends first.
+func WaitInitialized(ctx context.Context, health cell.Health, db *statedb.DB, tables ...statedb.TableMeta) bool {
+	for _, t := range tables {
+		for {
+			ok, watch := t.Initialized(db.ReadTxn())
+			if ok {
+				break
+			}
+			health.OK("waiting for table " + t.Name())
+			select {
+			case <-ctx.Done():
+				return false
+			case <-watch:
+			}
+		}
+	}
+	return true
+}

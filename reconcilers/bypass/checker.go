@@ -18,6 +18,7 @@ import (
 	"github.com/vishvananda/netns"
 
 	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
@@ -176,19 +177,8 @@ func datapathInPlace(rows []*Bypass) bool {
 func (c *Checker) loop(interval time.Duration, log *slog.Logger) func(context.Context, cell.Health) error {
 	return func(ctx context.Context, health cell.Health) error {
 		// Wait for the inputs, then check at once and every interval.
-		for _, t := range []statedb.TableMeta{c.p.Pods, c.p.Enrollments} {
-			for {
-				ok, watch := t.Initialized(c.p.DB.ReadTxn())
-				if ok {
-					break
-				}
-				health.OK("waiting for table " + t.Name())
-				select {
-				case <-ctx.Done():
-					return nil
-				case <-watch:
-				}
-			}
+		if !reconcilers.WaitInitialized(ctx, health, c.p.DB, c.p.Pods, c.p.Enrollments) {
+			return nil
 		}
 		// Until ready, checks come every readyInterval at most, whatever
 		// the configured period (0 included).

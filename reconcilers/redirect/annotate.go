@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/source"
 )
@@ -111,18 +112,8 @@ type readiness struct{ annotationParams }
 func (r *readiness) run(ctx context.Context, health cell.Health) error {
 	// Readiness is judged on the rows of this agent only once they exist:
 	// before, every pod would look not ready.
-	for _, t := range []statedb.TableMeta{r.Pods, r.Redirects, r.Attachments} {
-		for {
-			ok, watch := t.Initialized(r.DB.ReadTxn())
-			if ok {
-				break
-			}
-			select {
-			case <-ctx.Done():
-				return nil
-			case <-watch:
-			}
-		}
+	if !reconcilers.WaitInitialized(ctx, health, r.DB, r.Pods, r.Redirects, r.Attachments) {
+		return nil
 	}
 	for {
 		wtxn := r.DB.WriteTxn(r.Annotations)

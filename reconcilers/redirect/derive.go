@@ -19,6 +19,7 @@ import (
 	"github.com/cilium/statedb/reconciler"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -74,19 +75,8 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 	// Nothing is written before every input is initialized: rows from a
 	// partial view (a pod listed before the policy enrolling it) would
 	// overwrite live entries of a previous agent.
-	for _, t := range []statedb.TableMeta{d.Enrollments, d.Pods, d.Nodes} {
-		for {
-			ok, watch := t.Initialized(d.DB.ReadTxn())
-			if ok {
-				break
-			}
-			health.OK("waiting for table " + t.Name())
-			select {
-			case <-ctx.Done():
-				return nil
-			case <-watch:
-			}
-		}
+	if !reconcilers.WaitInitialized(ctx, health, d.DB, d.Enrollments, d.Pods, d.Nodes) {
+		return nil
 	}
 
 	retry := minRetry
