@@ -4,10 +4,8 @@ package agent_test
 
 import (
 	"context"
-	"fmt"
 	"maps"
 	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -18,6 +16,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/mtlsbridge/mtlsbridge/agent"
+	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
 )
 
 // TestScript runs the cross-cell scripts in ../testdata: the agent with the
@@ -54,61 +53,11 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 		t.Fatal(err)
 	}
 	maps.Insert(cmds, maps.All(script.DefaultCmds()))
-	cmds["manifests/write"] = manifestsWriteCmd(manifests)
-	cmds["manifests/rm"] = manifestsRemoveCmd(manifests)
+	maps.Insert(cmds, maps.All(manifesttest.ScriptCommands(manifests)))
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		h.Stop(log, ctx)
 	})
 	return &script.Engine{Cmds: cmds}
-}
-
-// manifestsWriteCmd copies files of the script into the manifest folder. Each
-// lands by rename, as an editor or kubectl-style tool would save it.
-func manifestsWriteCmd(dir string) script.Cmd {
-	return script.Command(
-		script.CmdUsage{Summary: "copy files into the manifest folder", Args: "file... [--as=NAME]"},
-		func(s *script.State, args ...string) (script.WaitFunc, error) {
-			if len(args) == 0 {
-				return nil, script.ErrUsage
-			}
-			as := ""
-			if last := args[len(args)-1]; len(last) > 5 && last[:5] == "--as=" {
-				as, args = last[5:], args[:len(args)-1]
-			}
-			for _, name := range args {
-				content, err := os.ReadFile(s.Path(name))
-				if err != nil {
-					return nil, err
-				}
-				target := filepath.Base(name)
-				if as != "" {
-					target = as
-				}
-				tmp := filepath.Join(dir, ".tmp-"+target)
-				if err := os.WriteFile(tmp, content, 0o644); err != nil {
-					return nil, err
-				}
-				if err := os.Rename(tmp, filepath.Join(dir, target)); err != nil {
-					return nil, err
-				}
-			}
-			return nil, nil
-		},
-	)
-}
-
-func manifestsRemoveCmd(dir string) script.Cmd {
-	return script.Command(
-		script.CmdUsage{Summary: "remove files from the manifest folder", Args: "name..."},
-		func(s *script.State, args ...string) (script.WaitFunc, error) {
-			for _, name := range args {
-				if err := os.Remove(filepath.Join(dir, name)); err != nil {
-					return nil, fmt.Errorf("manifests/rm: %w", err)
-				}
-			}
-			return nil, nil
-		},
-	)
 }

@@ -28,6 +28,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
 )
 
 // Agent is a running agent on node-a.
@@ -148,11 +149,7 @@ func (a *Agent) Dial(t testing.TB) *grpc.ClientConn {
 
 // WriteManifest replaces a manifest file atomically.
 func (a *Agent) WriteManifest(t testing.TB, name, content string) {
-	tmp := filepath.Join(a.Manifests, ".tmp-"+name)
-	if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, filepath.Join(a.Manifests, name)); err != nil {
+	if err := manifesttest.Write(a.Manifests, name, []byte(content)); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -8,8 +8,6 @@ import (
 	"maps"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -27,6 +25,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
@@ -76,35 +75,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 		t.Fatal(err)
 	}
 	maps.Insert(cmds, maps.All(script.DefaultCmds()))
-	cmds["manifests/write"] = script.Command(
-		script.CmdUsage{Summary: "copy a file into the manifest folder (by rename), optionally under another name", Args: "file [--as=NAME]"},
-		func(s *script.State, args ...string) (script.WaitFunc, error) {
-			if len(args) == 0 || len(args) > 2 {
-				return nil, script.ErrUsage
-			}
-			target := filepath.Base(args[0])
-			if len(args) == 2 {
-				as, ok := strings.CutPrefix(args[1], "--as=")
-				if !ok {
-					return nil, script.ErrUsage
-				}
-				target = as
-			}
-			for _, name := range args[:1] {
-				content, err := os.ReadFile(s.Path(name))
-				if err != nil {
-					return nil, err
-				}
-				tmp := filepath.Join(manifests, ".tmp-"+target)
-				if err := os.WriteFile(tmp, content, 0o644); err != nil {
-					return nil, err
-				}
-				if err := os.Rename(tmp, filepath.Join(manifests, target)); err != nil {
-					return nil, err
-				}
-			}
-			return nil, nil
-		})
+	maps.Insert(cmds, maps.All(manifesttest.ScriptCommands(manifests)))
 	maps.Insert(cmds, maps.All(k.commands()))
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
