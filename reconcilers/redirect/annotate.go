@@ -137,21 +137,14 @@ func (r *readiness) run(ctx context.Context, health cell.Health) error {
 				}
 			}
 		}
-		var gone []*ReadyAnnotation
-		for old := range r.Annotations.All(wtxn) {
-			if _, ok := want[old.Pod]; !ok {
-				gone = append(gone, old)
-			}
-		}
-		for _, old := range gone {
-			r.Annotations.Delete(wtxn, old)
-		}
+		rows := make(map[string]*ReadyAnnotation, len(want))
 		for pod, ready := range want {
-			if old, _, ok := r.Annotations.Get(wtxn, ReadyAnnotationByPod(pod)); ok && old.Ready == ready {
-				continue
-			}
-			r.Annotations.Insert(wtxn, &ReadyAnnotation{Pod: pod, Ready: ready, Status: reconciler.StatusPending()})
+			rows[pod] = &ReadyAnnotation{Pod: pod, Ready: ready}
 		}
+		reconcilers.Sync(wtxn, r.Annotations, rows,
+			func(a *ReadyAnnotation) string { return a.Pod },
+			func(old, new *ReadyAnnotation) bool { return old.Ready == new.Ready },
+			func(a *ReadyAnnotation) { a.Status = reconciler.StatusPending() })
 		wtxn.Commit()
 		health.OK(fmt.Sprintf("%d pods to publish", len(want)))
 		select {

@@ -130,45 +130,22 @@ func (d *derivation) pass(scan Scan, scanErr error) ([3]<-chan struct{}, int) {
 	want := desired(d.Config, scan, scanErr, pods, enrolled, nodeObj)
 
 	problems := 0
-	// Collected first: the table is not changed while it is iterated.
-	var goneRedirects []*Redirect
-	for r := range d.Redirects.All(wtxn) {
-		if _, ok := want.redirects[r.Addr]; !ok {
-			goneRedirects = append(goneRedirects, r)
-		}
-	}
-	for _, r := range goneRedirects {
-		d.Redirects.Delete(wtxn, r)
-	}
 	for _, r := range want.redirects {
 		if r.Problem != "" {
 			problems++
 		}
-		if old, _, ok := d.Redirects.Get(wtxn, RedirectByAddr(r.Addr)); ok && old.sameDesire(r) {
-			continue
-		}
-		r.Status = reconciler.StatusPending()
-		d.Redirects.Insert(wtxn, r)
-	}
-	var goneAttachments []*Attachment
-	for a := range d.Attachments.All(wtxn) {
-		if _, ok := want.attachments[a.Device]; !ok {
-			goneAttachments = append(goneAttachments, a)
-		}
-	}
-	for _, a := range goneAttachments {
-		d.Attachments.Delete(wtxn, a)
 	}
 	for _, a := range want.attachments {
 		if a.Problem != "" {
 			problems++
 		}
-		if old, _, ok := d.Attachments.Get(wtxn, AttachmentByDevice(a.Device)); ok && old.sameDesire(a) {
-			continue
-		}
-		a.Status = reconciler.StatusPending()
-		d.Attachments.Insert(wtxn, a)
 	}
+	reconcilers.Sync(wtxn, d.Redirects, want.redirects,
+		func(r *Redirect) netip.Addr { return r.Addr }, (*Redirect).sameDesire,
+		func(r *Redirect) { r.Status = reconciler.StatusPending() })
+	reconcilers.Sync(wtxn, d.Attachments, want.attachments,
+		func(a *Attachment) string { return a.Device }, (*Attachment).sameDesire,
+		func(a *Attachment) { a.Status = reconciler.StatusPending() })
 	for _, done := range d.initDone {
 		done(wtxn)
 	}
