@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package cni is the agent side of the fail-closed pod start: the local
-// API route the mtlsbridge-cni plugin asks at every CNI ADD, the cni-pods
-// table of what the plugin reported, and the installer that keeps the
+// API route the mtlsbridge-cni plugin asks at every CNI ADD, the rows of
+// the cni-pods table (tables.CNIPod) with what the plugin reported, kept in
+// the state folder across restarts, and the installer that keeps the
 // plugin chained last in the node's (Cilium's) conflist. The plugin itself
 // is package cni/plugin; file operations are package cni/install.
 package cni
@@ -14,9 +15,9 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 )
@@ -27,13 +28,14 @@ var Cell = cell.Module(
 	"Chained CNI plugin that holds enrolled pods until their redirection is in place",
 
 	cell.Config(defaultConfig),
-	// The route's handlers and the pruning of deleted pods write it.
-	cell.ProvidePrivate(NewPodsTable),
-	cell.Provide(statedb.RWTable[*Pod].ToTable),
-	// POST /v1/cni/pods/NS/NAME and DELETE /v1/cni/containers/ID on api.sock.
+	// cni-pods rows as files in the state folder.
+	cell.ProvidePrivate(func(cfg api.Config) *store { return newStore(cfg.StateDir) }),
+	// POST /v1/cni/pods/NS/NAME and DELETE /v1/cni/containers/ID on api.sock
+	// write cni-pods.
 	cell.Provide(newHandlers),
-	// Rows of pods gone from the API go, whether or not a DEL came.
-	cell.Invoke(registerPrune),
+	// Rows of the previous agent come back at start; rows of pods gone from
+	// the API go, whether or not a DEL came.
+	cell.Invoke(registerStore),
 	// The plugin binary and its conflist entry, kept in place while the
 	// agent runs and left in place when it stops.
 	cell.Invoke(registerInstaller),

@@ -6,8 +6,6 @@ import (
 	"encoding/json"
 	"log/slog"
 	"net/http"
-	"net/netip"
-	"slices"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -31,8 +29,10 @@ type handlerParams struct {
 	Namespaces  statedb.Table[*tables.Namespace]
 	Policies    statedb.Table[*tables.Policy]
 	Endpoints   statedb.Table[*tables.Endpoint]
-	Annotations statedb.Table[*redirect.ReadyAnnotation]
-	CNIPods     statedb.RWTable[*Pod]
+	Redirects   statedb.Table[*redirect.Redirect]
+	Attachments statedb.Table[*redirect.Attachment]
+	CNIPods     statedb.RWTable[*tables.CNIPod]
+	Store       *store
 }
 
 type handlersOut struct {
@@ -62,8 +62,8 @@ func (h *handler) ask(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "bad request body: "+err.Error(), http.StatusBadRequest)
 		return
 	}
-	if req.ContainerID == "" {
-		http.Error(w, "containerID missing", http.StatusBadRequest)
+	if err := validContainerID(req.ContainerID); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
 	var wait time.Duration
@@ -99,7 +99,8 @@ wait:
 		case <-watches.pod:
 		case <-watches.namespaces:
 		case <-watches.policies:
-		case <-watches.annotation:
+		case <-watches.redirects:
+		case <-watches.attachments:
 		}
 	}
 	h.record(key, req, ans)
@@ -110,7 +111,7 @@ wait:
 }
 
 // watches close when an answer may change; nil ones never do.
-type watches struct{ pod, namespaces, policies, annotation <-chan struct{} }
+type watches struct{ pod, namespaces, policies, redirects, attachments <-chan struct{} }
 
 // decide computes the answer in one snapshot and returns what to watch for
 // a change of it.
@@ -119,16 +120,16 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, watches
 	var w watches
 	pod, _, podWatch, found := h.Pods.GetWatch(txn, tables.PodByKey(key))
 	w.pod = podWatch
-	if !found {
-		return plugin.Answer{}, w
+	if !found || (req.PodUID != "" && pod.UID != "" && pod.UID != req.PodUID) {
+		return plugin.Answer{}, w // not in the API yet, or only its namesake
 	}
 	_, w.namespaces = h.Namespaces.AllWatch(txn)
 	_, w.policies = h.Policies.AllWatch(txn)
-	row, _, annWatch, hasRow := h.Annotations.GetWatch(txn, redirect.ReadyAnnotationByPod(key))
-	w.annotation = annWatch
+	_, w.redirects = h.Redirects.AllWatch(txn)
+	_, w.attachments = h.Attachments.AllWatch(txn)
 
-	// The API has no address for the pod yet at ADD time (the enrollments
-	// table says excluded:no-ip): decide as if it had the reported ones.
+	// Decide on the sandbox being added: its addresses are not in the API
+	// yet, or belong to the sandbox it replaces.
 	asReported := *pod
 	if len(req.IPs) > 0 {
 		asReported.IPs = req.IPs
@@ -140,49 +141,49 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, watches
 		ans.Redirect = plugin.RedirectNotNeeded
 	case !h.Redirect.EnableRedirect:
 		ans.Redirect, ans.Detail = plugin.RedirectPending, "the datapath is disabled (--enable-redirect=false)"
-	case !hasRow || !row.Ready:
-		ans.Redirect, ans.Detail = plugin.RedirectPending, "no ready row in ready-annotations"
-	case !sameAddrs(pod, req):
-		// A ready row describes the addresses of the API: a new sandbox
-		// with new addresses is not covered by it.
-		ans.Redirect, ans.Detail = plugin.RedirectPending, "ready-annotations is ready for other addresses than the reported ones"
+	case !redirect.Redirected(txn, h.Redirects, h.Attachments, key, asReported.IPs):
+		ans.Redirect, ans.Detail = plugin.RedirectPending, "the redirects and attachments of the reported addresses are not all done"
 	default:
 		ans.Redirect = plugin.RedirectReady
 	}
 	return ans, w
 }
 
-func sameAddrs(pod *tables.Pod, req plugin.Request) bool {
-	if len(req.IPs) == 0 {
-		return true
-	}
-	have, want := slices.Clone(pod.IPs), slices.Clone(req.IPs)
-	slices.SortFunc(have, netip.Addr.Compare)
-	slices.SortFunc(want, netip.Addr.Compare)
-	return slices.Equal(slices.Compact(have), slices.Compact(want))
-}
-
 func (h *handler) record(key string, req plugin.Request, ans plugin.Answer) {
-	state := StateWaiting
+	state := tables.CNIStateWaiting
 	if ans.Final() {
-		state = StateAllowed
+		state = tables.CNIStateAllowed
+	}
+	row := &tables.CNIPod{
+		ContainerID: req.ContainerID, Pod: key, UID: req.PodUID, IPs: req.IPs, Netns: req.Netns, IfName: req.IfName,
+		Enrolled: ans.Enrolled, Reason: ans.Reason, Redirect: ans.Redirect, State: state, Updated: time.Now(),
+	}
+	// On disk first: a row the table shows is one a restarted agent
+	// still knows.
+	if err := h.Store.save(row); err != nil {
+		h.Log.Error("Cannot keep the CNI report in the state folder; a restarted agent will not know the pod's addresses until the API has them",
+			"pod", key, "container", req.ContainerID, "error", err)
 	}
 	wtxn := h.DB.WriteTxn(h.CNIPods)
-	h.CNIPods.Insert(wtxn, &Pod{
-		ContainerID: req.ContainerID, Pod: key, IPs: req.IPs, Netns: req.Netns, IfName: req.IfName,
-		Enrolled: ans.Enrolled, Reason: ans.Reason, Redirect: ans.Redirect, State: state, Updated: time.Now(),
-	})
+	h.CNIPods.Insert(wtxn, row)
 	wtxn.Commit()
 }
 
 // forget removes a container's row (CNI DEL).
 func (h *handler) forget(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
+	if validContainerID(id) != nil {
+		w.WriteHeader(http.StatusNoContent) // never stored
+		return
+	}
 	wtxn := h.DB.WriteTxn(h.CNIPods)
-	if old, _, ok := h.CNIPods.Get(wtxn, PodByContainer(id)); ok {
+	if old, _, ok := h.CNIPods.Get(wtxn, tables.CNIPodByContainer(id)); ok {
 		h.CNIPods.Delete(wtxn, old)
 		h.Log.Info("CNI container deleted", "pod", old.Pod, "container", id)
 	}
 	wtxn.Commit()
+	if err := h.Store.remove(id); err != nil {
+		h.Log.Warn("Cannot remove a CNI report from the state folder", "container", id, "error", err)
+	}
 	w.WriteHeader(http.StatusNoContent)
 }

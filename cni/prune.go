@@ -4,7 +4,9 @@ package cni
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -14,44 +16,91 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
-type pruneParams struct {
+type storeParams struct {
 	cell.In
 
-	DB      *statedb.DB
-	Jobs    job.Registry
-	Health  cell.Health
-	Pods    statedb.Table[*tables.Pod]
-	CNIPods statedb.RWTable[*Pod]
+	Log       *slog.Logger
+	DB        *statedb.DB
+	Lifecycle cell.Lifecycle
+	Jobs      job.Registry
+	Health    cell.Health
+	Store     *store
+	Pods      statedb.Table[*tables.Pod]
+	CNIPods   statedb.RWTable[*tables.CNIPod]
 }
 
-// registerPrune removes the cni-pods rows of pods deleted from the API, so
-// that a DEL the runtime never sent (node crash) leaves no row behind.
-func registerPrune(p pruneParams) error {
+// registerStore loads the rows a previous agent kept before the table
+// counts as initialized, and removes the rows (and files) of pods deleted
+// from the API, whether or not a DEL came: on a node crash none does.
+func registerStore(p storeParams) error {
 	wtxn := p.DB.WriteTxn(p.Pods, p.CNIPods)
+	initDone := p.CNIPods.RegisterInitializer(wtxn, "cni-store")
 	changes, err := p.Pods.Changes(wtxn)
 	wtxn.Commit()
 	if err != nil {
 		return fmt.Errorf("follow %s: %w", p.Pods.Name(), err)
 	}
+
+	p.Lifecycle.Append(cell.Hook{OnStart: func(cell.HookContext) error {
+		rows, errs := p.Store.load()
+		if len(errs) > 0 {
+			p.Log.Error("Some CNI reports in the state folder cannot be read; their pods' addresses come from the API only",
+				"folder", p.Store.dir, "error", errors.Join(errs...))
+		}
+		wtxn := p.DB.WriteTxn(p.CNIPods)
+		for _, row := range rows {
+			p.CNIPods.Insert(wtxn, row)
+		}
+		initDone(wtxn)
+		wtxn.Commit()
+		p.Log.Info("CNI reports loaded", "containers", len(rows))
+		return nil
+	}})
+
 	p.Jobs.NewGroup(p.Health).Add(job.OneShot("prune-cni-pods", func(ctx context.Context, health cell.Health) error {
+		if !reconcilers.WaitInitialized(ctx, health, p.DB, p.Pods, p.CNIPods) {
+			return nil
+		}
+		// Pods deleted while no agent ran: gone from the first listing.
+		wtxn := p.DB.WriteTxn(p.CNIPods)
+		var stale []*tables.CNIPod
+		for row := range p.CNIPods.All(wtxn) {
+			pod, _, ok := p.Pods.Get(wtxn, tables.PodByKey(row.Pod))
+			if !ok || (row.UID != "" && pod.UID != "" && row.UID != pod.UID) {
+				stale = append(stale, row)
+			}
+		}
+		p.delete(wtxn, stale)
+		wtxn.Commit()
+
 		return reconcilers.RunDerivation(ctx, health, func() []<-chan struct{} {
 			wtxn := p.DB.WriteTxn(p.CNIPods)
 			seq, watch := changes.Next(wtxn)
+			var gone []*tables.CNIPod
 			for c := range seq {
 				if !c.Deleted {
 					continue
 				}
-				var gone []*Pod
-				for row := range p.CNIPods.List(wtxn, PodsByPod(c.Object.Key())) {
-					gone = append(gone, row)
-				}
-				for _, row := range gone {
-					p.CNIPods.Delete(wtxn, row)
+				for row := range p.CNIPods.List(wtxn, tables.CNIPodsByPod(c.Object.Key())) {
+					// A namesake created since keeps its own rows.
+					if row.UID == "" || row.UID == c.Object.UID {
+						gone = append(gone, row)
+					}
 				}
 			}
+			p.delete(wtxn, gone)
 			wtxn.Commit()
 			return []<-chan struct{}{watch}
 		}, func() string { return fmt.Sprintf("%d containers", p.CNIPods.NumObjects(p.DB.ReadTxn())) })
 	}))
 	return nil
+}
+
+func (p storeParams) delete(wtxn statedb.WriteTxn, rows []*tables.CNIPod) {
+	for _, row := range rows {
+		p.CNIPods.Delete(wtxn, row)
+		if err := p.Store.remove(row.ContainerID); err != nil {
+			p.Log.Warn("Cannot remove a CNI report from the state folder", "container", row.ContainerID, "error", err)
+		}
+	}
 }

@@ -18,11 +18,11 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 
-	"github.com/mtlsbridge/mtlsbridge/cni"
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // pluginBin is the plugin, built once for the package's tests.
@@ -129,16 +129,16 @@ func jsonEqual(t *testing.T, got, want string) {
 }
 
 // startAgent runs a whole agent on the manifests of testdata.
-func startAgent(t *testing.T) (*agenttest.Agent, statedb.Table[*cni.Pod], statedb.Table[*enrollment.Enrollment]) {
+func startAgent(t *testing.T) (*agenttest.Agent, statedb.Table[*tables.CNIPod], statedb.Table[*enrollment.Enrollment]) {
 	manifests := t.TempDir()
 	b, err := os.ReadFile("testdata/cluster.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
 	os.WriteFile(filepath.Join(manifests, "cluster.yaml"), b, 0o644)
-	var pods statedb.Table[*cni.Pod]
+	var pods statedb.Table[*tables.CNIPod]
 	var enrollments statedb.Table[*enrollment.Enrollment]
-	a := agenttest.Start(t, manifests, []cell.Cell{cell.Invoke(func(p statedb.Table[*cni.Pod], e statedb.Table[*enrollment.Enrollment]) {
+	a := agenttest.Start(t, manifests, []cell.Cell{cell.Invoke(func(p statedb.Table[*tables.CNIPod], e statedb.Table[*enrollment.Enrollment]) {
 		pods, enrollments = p, e
 	})})
 	return a, pods, enrollments
@@ -175,8 +175,8 @@ func TestAgainstAgent(t *testing.T) {
 			t.Fatalf("exit %d:\n%s\n%s", r.code, r.stdout, r.stderr)
 		}
 		jsonEqual(t, r.stdout, prevResult)
-		row, _, ok := cniPods.Get(a.DB.ReadTxn(), cni.PodByContainer("c-plain"))
-		if !ok || row.Pod != "app/plain" || row.State != cni.StateAllowed || row.Reason != enrollment.ReasonNotSelected ||
+		row, _, ok := cniPods.Get(a.DB.ReadTxn(), tables.CNIPodByContainer("c-plain"))
+		if !ok || row.Pod != "app/plain" || row.State != tables.CNIStateAllowed || row.Reason != enrollment.ReasonNotSelected ||
 			fmt.Sprint(row.IPs) != "[10.0.1.20 fd00:1::20]" || row.Netns != "/var/run/netns/cni-1234" {
 			t.Fatalf("cni-pods row: %+v", row)
 		}
@@ -203,8 +203,8 @@ func TestAgainstAgent(t *testing.T) {
 			if r.took < time.Second || r.took > 8*time.Second {
 				t.Fatalf("took %s, want about the 1s wait", r.took)
 			}
-			row, _, ok := cniPods.Get(a.DB.ReadTxn(), cni.PodByContainer("c-"+tc.pod))
-			if !ok || !row.Enrolled || row.State != cni.StateWaiting || row.Redirect != "pending" {
+			row, _, ok := cniPods.Get(a.DB.ReadTxn(), tables.CNIPodByContainer("c-"+tc.pod))
+			if !ok || !row.Enrolled || row.State != tables.CNIStateWaiting || row.Redirect != "pending" {
 				t.Fatalf("cni-pods row: %+v", row)
 			}
 		})
@@ -232,7 +232,7 @@ func TestAgainstAgent(t *testing.T) {
 	})
 
 	t.Run("rows of pods deleted from the API go", func(t *testing.T) {
-		if _, _, ok := cniPods.Get(a.DB.ReadTxn(), cni.PodByContainer("c-web")); !ok {
+		if _, _, ok := cniPods.Get(a.DB.ReadTxn(), tables.CNIPodByContainer("c-web")); !ok {
 			t.Fatal("no row for c-web")
 		}
 		b, _ := os.ReadFile("testdata/cluster.yaml")
@@ -241,7 +241,7 @@ func TestAgainstAgent(t *testing.T) {
 		a.WriteManifest(t, "cluster.yaml", strings.Join(docs, "---\n"))
 		deadline := time.Now().Add(10 * time.Second)
 		for {
-			if _, _, ok := cniPods.Get(a.DB.ReadTxn(), cni.PodByContainer("c-web")); !ok {
+			if _, _, ok := cniPods.Get(a.DB.ReadTxn(), tables.CNIPodByContainer("c-web")); !ok {
 				break
 			}
 			if time.Now().After(deadline) {
@@ -249,7 +249,7 @@ func TestAgainstAgent(t *testing.T) {
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
-		if _, _, ok := cniPods.Get(a.DB.ReadTxn(), cni.PodByContainer("c-api")); !ok {
+		if _, _, ok := cniPods.Get(a.DB.ReadTxn(), tables.CNIPodByContainer("c-api")); !ok {
 			t.Fatal("row of another pod went too")
 		}
 	})
@@ -259,7 +259,7 @@ func TestAgainstAgent(t *testing.T) {
 		if r.code != 0 || r.stdout != "" {
 			t.Fatalf("exit %d: %q %q", r.code, r.stdout, r.stderr)
 		}
-		if _, _, ok := cniPods.Get(a.DB.ReadTxn(), cni.PodByContainer("c-plain")); ok {
+		if _, _, ok := cniPods.Get(a.DB.ReadTxn(), tables.CNIPodByContainer("c-plain")); ok {
 			t.Fatal("cni-pods row still there after DEL")
 		}
 	})

@@ -5,6 +5,7 @@ package main_test
 import (
 	"context"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -20,6 +21,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/agent"
 	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/cni"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
@@ -28,9 +30,10 @@ import (
 )
 
 // TestReady: the path the whole agent cannot show without a datapath. The
-// agent's cells, except the redirect module, whose ready-annotations table
-// the test writes: an ADD waiting for an enrolled pod succeeds as soon as
-// the pod's row turns ready, and only for the addresses that row covers.
+// agent's cells, except the redirect module, whose redirects and
+// attachments tables the test writes: an ADD waiting for an enrolled pod
+// succeeds as soon as the rows of its addresses are done, and only for the
+// addresses they cover.
 func TestReady(t *testing.T) {
 	manifests := t.TempDir()
 	b, err := os.ReadFile("testdata/cluster.yaml")
@@ -46,22 +49,25 @@ func TestReady(t *testing.T) {
 
 	var (
 		db          *statedb.DB
-		annotations statedb.RWTable[*redirect.ReadyAnnotation]
+		redirects   statedb.RWTable[*redirect.Redirect]
+		attachments statedb.RWTable[*redirect.Attachment]
 		pods        statedb.Table[*tables.Pod]
 	)
 	h := hive.New(
 		agent.Infrastructure,
 		tables.Cell, source.Cell, enrollment.Cell, api.Cell,
-		cell.Module("fake-redirect", "ready-annotations written by the test",
+		cell.Module("fake-redirect", "redirects and attachments written by the test",
 			cell.Provide(
-				redirect.NewAnnotationsTable,
-				statedb.RWTable[*redirect.ReadyAnnotation].ToTable,
+				redirect.NewRedirectsTable,
+				redirect.NewAttachmentsTable,
+				statedb.RWTable[*redirect.Redirect].ToTable,
+				statedb.RWTable[*redirect.Attachment].ToTable,
 				func() redirect.Config { return redirect.Config{EnableRedirect: true} },
 			),
 		),
 		cni.Cell,
-		cell.Invoke(func(d *statedb.DB, a statedb.RWTable[*redirect.ReadyAnnotation], p statedb.Table[*tables.Pod]) {
-			db, annotations, pods = d, a, p
+		cell.Invoke(func(d *statedb.DB, r statedb.RWTable[*redirect.Redirect], a statedb.RWTable[*redirect.Attachment], p statedb.Table[*tables.Pod]) {
+			db, redirects, attachments, pods = d, r, a, p
 		}),
 	)
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
@@ -88,20 +94,22 @@ func TestReady(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 
-	// Cilium gave mesh/ready the address the API shows (a pod that got its
-	// address, then a new sandbox: the usual case once the redirect
-	// derivation also reads cni-pods).
+	// Cilium gave mesh/ready the address the API shows.
 	ready := strings.NewReplacer(`"10.0.1.20/32"`, `"10.0.1.30/32"`, `,
     {"address": "fd00:1::20/128", "interface": 0}`, ``)
 	prev := ready.Replace(prevResult)
 	stdin := strings.Replace(ready.Replace(conf(stateDir, "")), `"1s"`, `"20s"`, 1)
 
-	setReady := func(ok bool) {
-		wtxn := db.WriteTxn(annotations)
-		annotations.Insert(wtxn, &redirect.ReadyAnnotation{Pod: "mesh/ready", Ready: ok, Status: reconciler.StatusDone()})
+	// The datapath of the pod: the agent's entry, the pod's entry and the
+	// program on its interface, pending until the test says done.
+	setRows := func(status reconciler.Status) {
+		wtxn := db.WriteTxn(redirects, attachments)
+		redirects.Insert(wtxn, &redirect.Redirect{Addr: bpf.AgentKey, Kind: bpf.KindAgent, Pod: "kube-system/ztunnel", Status: reconciler.StatusDone()})
+		redirects.Insert(wtxn, &redirect.Redirect{Addr: netip.MustParseAddr("10.0.1.30"), Kind: bpf.KindEnrolled, Pod: "mesh/ready", Interface: "lxcready", Status: status})
+		attachments.Insert(wtxn, &redirect.Attachment{Device: "lxcready", Hook: bpf.HookFromPod, Pod: "mesh/ready", Status: reconciler.StatusDone()})
 		wtxn.Commit()
 	}
-	setReady(false)
+	setRows(reconciler.StatusPending())
 
 	done := make(chan result, 1)
 	go func() { done <- run(t, "ADD", "mesh", "ready", stdin) }()
@@ -110,7 +118,7 @@ func TestReady(t *testing.T) {
 		t.Fatalf("ADD returned before the redirect was ready: %+v", r)
 	case <-time.After(1500 * time.Millisecond):
 	}
-	setReady(true)
+	setRows(reconciler.StatusDone())
 	select {
 	case r := <-done:
 		if r.code != 0 {
@@ -121,7 +129,7 @@ func TestReady(t *testing.T) {
 			t.Fatalf("took %s: the long poll did not wake up", r.took)
 		}
 	case <-time.After(15 * time.Second):
-		t.Fatal("ADD still waiting after the row turned ready")
+		t.Fatal("ADD still waiting after the rows were done")
 	}
 
 	// CHECK agrees.
@@ -129,10 +137,10 @@ func TestReady(t *testing.T) {
 		t.Fatalf("CHECK: exit %d: %s", r.code, r.stdout)
 	}
 
-	// A sandbox with another address is not covered by the ready row.
+	// A sandbox with another address is not covered by those rows.
 	other := strings.Replace(strings.Replace(stdin, `"10.0.1.30/32"`, `"10.0.1.99/32"`, 1), `"20s"`, `"1s"`, 1)
 	e := run(t, "ADD", "mesh", "ready", other).err(t)
-	if e.Code != 11 || !strings.Contains(e.Details, "other addresses") {
+	if e.Code != 11 || !strings.Contains(e.Details, "reported addresses") {
 		t.Fatalf("error: %+v", e)
 	}
 }

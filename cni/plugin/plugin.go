@@ -130,7 +130,7 @@ func parse(args *skel.CmdArgs) (*call, error) {
 	if err != nil {
 		return nil, types.NewError(types.ErrDecodingFailure, "cannot convert prevResult", err.Error())
 	}
-	c.req = Request{ContainerID: args.ContainerID, Netns: args.Netns, IfName: args.IfName}
+	c.req = Request{ContainerID: args.ContainerID, PodUID: string(ka.K8S_POD_UID), Netns: args.Netns, IfName: args.IfName}
 	for _, ipc := range res.IPs {
 		if addr, ok := netip.AddrFromSlice(ipc.Address.IP); ok {
 			c.req.IPs = append(c.req.IPs, addr.Unmap())

@@ -39,8 +39,10 @@ const (
 // Request tells the agent about a container being added to a pod.
 type Request struct {
 	ContainerID string `json:"containerID"`
-	Netns       string `json:"netns,omitempty"`
-	IfName      string `json:"ifName,omitempty"`
+	// PodUID tells a pod from an earlier one of the same name.
+	PodUID string `json:"podUID,omitempty"`
+	Netns  string `json:"netns,omitempty"`
+	IfName string `json:"ifName,omitempty"`
 	// IPs are the pod's addresses from prevResult: the API does not have
 	// them yet at ADD time.
 	IPs []netip.Addr `json:"ips,omitempty"`

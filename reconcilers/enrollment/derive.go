@@ -28,6 +28,7 @@ type derivationParams struct {
 	Namespaces  statedb.Table[*tables.Namespace]
 	Policies    statedb.Table[*tables.Policy]
 	Endpoints   statedb.Table[*tables.Endpoint]
+	CNIPods     statedb.Table[*tables.CNIPod]
 	Enrollments statedb.RWTable[*Enrollment]
 }
 
@@ -37,7 +38,7 @@ type derivationParams struct {
 type derivation struct {
 	derivationParams
 
-	pods, namespaces, policies, endpoints interface {
+	pods, namespaces, policies, endpoints, cniPods interface {
 		// next drains the unread changes into the dirty set.
 		next(d *derivation, txn statedb.ReadTxn, dirty map[string]struct{}) <-chan struct{}
 	}
@@ -60,7 +61,7 @@ func (c changes[T]) next(d *derivation, txn statedb.ReadTxn, dirty map[string]st
 
 func newDerivation(p derivationParams) (*derivation, error) {
 	d := &derivation{derivationParams: p}
-	wtxn := p.DB.WriteTxn(p.Pods, p.Namespaces, p.Policies, p.Endpoints, p.Enrollments)
+	wtxn := p.DB.WriteTxn(p.Pods, p.Namespaces, p.Policies, p.Endpoints, p.CNIPods, p.Enrollments)
 	defer wtxn.Abort()
 	var err error
 	if d.pods, err = newChanges(wtxn, p.Pods, podTouches); err != nil {
@@ -73,6 +74,9 @@ func newDerivation(p derivationParams) (*derivation, error) {
 		return nil, err
 	}
 	if d.endpoints, err = newChanges(wtxn, p.Endpoints, endpointTouches); err != nil {
+		return nil, err
+	}
+	if d.cniPods, err = newChanges(wtxn, p.CNIPods, cniPodTouches); err != nil {
 		return nil, err
 	}
 	d.initDone = p.Enrollments.RegisterInitializer(wtxn, "enrollment")
@@ -97,6 +101,11 @@ func podTouches(_ *derivation, _ statedb.ReadTxn, c statedb.Change[*tables.Pod],
 // An endpoint change affects the pod of the same name (its Cilium identity).
 func endpointTouches(_ *derivation, _ statedb.ReadTxn, c statedb.Change[*tables.Endpoint], dirty map[string]struct{}) {
 	dirty[c.Object.Key()] = struct{}{}
+}
+
+// A CNI report affects its pod: it may bring the pod's first addresses.
+func cniPodTouches(_ *derivation, _ statedb.ReadTxn, c statedb.Change[*tables.CNIPod], dirty map[string]struct{}) {
+	dirty[c.Object.Pod] = struct{}{}
 }
 
 // A namespace change affects every pod in it (namespace label, namespace
@@ -166,6 +175,7 @@ func (d *derivation) step() []<-chan struct{} {
 		d.namespaces.next(d, txn, dirty),
 		d.policies.next(d, txn, dirty),
 		d.endpoints.next(d, txn, dirty),
+		d.cniPods.next(d, txn, dirty),
 	}
 	if len(dirty) > 0 {
 		d.update(dirty)
@@ -174,12 +184,13 @@ func (d *derivation) step() []<-chan struct{} {
 		return watches
 	}
 	// The table is initialized once every input is and its rows are derived.
-	for _, t := range []statedb.TableMeta{d.Pods, d.Namespaces, d.Policies, d.Endpoints} {
+	initialized := true
+	for _, t := range []statedb.TableMeta{d.Pods, d.Namespaces, d.Policies, d.Endpoints, d.CNIPods} {
 		if ok, w := t.Initialized(txn); !ok {
-			watches = append(watches, w)
+			watches, initialized = append(watches, w), false
 		}
 	}
-	if len(watches) == 4 {
+	if initialized {
 		wtxn := d.DB.WriteTxn(d.Enrollments)
 		d.initDone(wtxn)
 		wtxn.Commit()
@@ -204,6 +215,8 @@ func (d *derivation) update(dirty map[string]struct{}) {
 			d.Enrollments.Delete(wtxn, old)
 			changed++
 		case found:
+			// The addresses the sandbox got count before the API has them.
+			pod = tables.WithPodAddrs(wtxn, d.CNIPods, pod)
 			if e := decide(d.Config, in, pod); !hadOld || *e != *old {
 				d.Enrollments.Insert(wtxn, e)
 				changed++

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"iter"
 	"log/slog"
+	"net/netip"
 	"strconv"
 	"strings"
 	"time"
@@ -75,6 +76,7 @@ type annotationParams struct {
 	Params      reconciler.Params
 	Clients     *source.Clients
 	Pods        statedb.Table[*tables.Pod]
+	CNIPods     statedb.Table[*tables.CNIPod]
 	Redirects   statedb.Table[*Redirect]
 	Attachments statedb.Table[*Attachment]
 	Annotations statedb.RWTable[*ReadyAnnotation]
@@ -112,7 +114,7 @@ type readiness struct{ annotationParams }
 func (r *readiness) run(ctx context.Context, health cell.Health) error {
 	// Readiness is judged on the rows of this agent only once they exist:
 	// before, every pod would look not ready.
-	if !reconcilers.WaitInitialized(ctx, health, r.DB, r.Pods, r.Redirects, r.Attachments) {
+	if !reconcilers.WaitInitialized(ctx, health, r.DB, r.Pods, r.CNIPods, r.Redirects, r.Attachments) {
 		return nil
 	}
 	for {
@@ -120,10 +122,12 @@ func (r *readiness) run(ctx context.Context, health cell.Health) error {
 		pods, podsWatch := r.Pods.ListWatch(wtxn, tables.PodsByNode(r.Node.NodeName))
 		_, redirectsWatch := r.Redirects.AllWatch(wtxn)
 		_, attachmentsWatch := r.Attachments.AllWatch(wtxn)
+		_, cniPodsWatch := r.CNIPods.AllWatch(wtxn)
 		want := map[string]bool{}
 		agent := readinessOf(r.Redirects.List(wtxn, RedirectByAddr(bpf.AgentKey)), bpf.KindAgent)
 		for pod := range pods {
-			state := agent.and(r.podReadiness(wtxn, pod))
+			addrs := tables.PodAddrs(wtxn, r.CNIPods, pod)
+			state := agent.and(podReadiness(wtxn, r.Redirects, r.Attachments, pod.Key(), addrs))
 			switch {
 			case state == ready:
 				want[pod.Key()] = true
@@ -153,6 +157,7 @@ func (r *readiness) run(ctx context.Context, health cell.Health) error {
 		case <-podsWatch:
 		case <-redirectsWatch:
 		case <-attachmentsWatch:
+		case <-cniPodsWatch:
 		}
 	}
 }
@@ -200,19 +205,30 @@ func readinessOf[T interface{ *Redirect | *Attachment }](rows iter.Seq2[T, state
 
 // podReadiness: every address of the pod has a done enrolled entry of the
 // pod, and the pod's interface has the from-pod program.
-func (r *readiness) podReadiness(txn statedb.ReadTxn, pod *tables.Pod) readinessState {
-	if len(pod.IPs) == 0 {
+func podReadiness(txn statedb.ReadTxn, redirects statedb.Table[*Redirect], attachments statedb.Table[*Attachment],
+	pod string, addrs []netip.Addr) readinessState {
+	if len(addrs) == 0 {
 		return notReady
 	}
-	state := readinessOf(r.Attachments.List(txn, AttachmentsByPod(pod.Key())), 0)
-	for _, ip := range pod.IPs {
-		row, _, ok := r.Redirects.Get(txn, RedirectByAddr(ip))
-		if !ok || row.Pod != pod.Key() {
+	state := readinessOf(attachments.List(txn, AttachmentsByPod(pod)), 0)
+	for _, ip := range addrs {
+		row, _, ok := redirects.Get(txn, RedirectByAddr(ip))
+		if !ok || row.Pod != pod {
 			return notReady
 		}
 		state = state.and(readinessOf(func(yield func(*Redirect, statedb.Revision) bool) { yield(row, 0) }, bpf.KindEnrolled))
 	}
 	return state
+}
+
+// Redirected reports whether the redirection of a pod's addresses is in
+// the kernel: the agent's entry, an enrolled entry of the pod for each
+// address, and the from-pod program on its interface, all done. The CNI
+// route asks it for the addresses of the sandbox being added.
+func Redirected(txn statedb.ReadTxn, redirects statedb.Table[*Redirect], attachments statedb.Table[*Attachment],
+	pod string, addrs []netip.Addr) bool {
+	agent := readinessOf(redirects.List(txn, RedirectByAddr(bpf.AgentKey)), bpf.KindAgent)
+	return agent.and(podReadiness(txn, redirects, attachments, pod, addrs)) == ready
 }
 
 // AnnotationOps sets and removes the annotation on pods.

@@ -33,6 +33,7 @@ type derivationParams struct {
 	DB          *statedb.DB
 	Jobs        job.Group
 	Pods        statedb.Table[*tables.Pod]
+	CNIPods     statedb.Table[*tables.CNIPod]
 	Nodes       statedb.Table[*tables.Node]
 	Enrollments statedb.Table[*enrollment.Enrollment]
 	Redirects   statedb.RWTable[*Redirect]
@@ -75,7 +76,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 	// Nothing is written before every input is initialized: rows from a
 	// partial view (a pod listed before the policy enrolling it) would
 	// overwrite live entries of a previous agent.
-	if !reconcilers.WaitInitialized(ctx, health, d.DB, d.Enrollments, d.Pods, d.Nodes) {
+	if !reconcilers.WaitInitialized(ctx, health, d.DB, d.Enrollments, d.Pods, d.CNIPods, d.Nodes) {
 		return nil
 	}
 
@@ -102,6 +103,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		case <-watches[0]:
 		case <-watches[1]:
 		case <-watches[2]:
+		case <-watches[3]:
 		case <-changed:
 		case <-retryC:
 		}
@@ -115,11 +117,12 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 
 // pass recomputes the rows in one transaction. It returns the watch
 // channels of its inputs and the number of rows with a problem.
-func (d *derivation) pass(scan Scan, scanErr error) ([3]<-chan struct{}, int) {
+func (d *derivation) pass(scan Scan, scanErr error) ([4]<-chan struct{}, int) {
 	wtxn := d.DB.WriteTxn(d.Redirects, d.Attachments)
 	defer wtxn.Abort()
 	node := d.Node.NodeName
 	pods, podsWatch := d.Pods.ListWatch(wtxn, tables.PodsByNode(node))
+	_, cniPodsWatch := d.CNIPods.AllWatch(wtxn)
 	enrollments, enrollWatch := d.Enrollments.ListWatch(wtxn, enrollment.ByNode(node))
 	nodeObj, _, nodeWatch, _ := d.Nodes.GetWatch(wtxn, tables.NodeByName(node))
 
@@ -127,7 +130,13 @@ func (d *derivation) pass(scan Scan, scanErr error) ([3]<-chan struct{}, int) {
 	for e := range enrollments {
 		enrolled[e.Key()] = e
 	}
-	want := desired(d.Config, scan, scanErr, pods, enrolled, nodeObj)
+	// A pod's addresses are those its sandbox got, which the API shows
+	// only after the CNI ADD that waits for these rows.
+	var local []*tables.Pod
+	for pod := range pods {
+		local = append(local, tables.WithPodAddrs(wtxn, d.CNIPods, pod))
+	}
+	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj)
 
 	problems := 0
 	for _, r := range want.redirects {
@@ -151,7 +160,7 @@ func (d *derivation) pass(scan Scan, scanErr error) ([3]<-chan struct{}, int) {
 	}
 	d.initDone = nil
 	wtxn.Commit()
-	return [3]<-chan struct{}{podsWatch, enrollWatch, nodeWatch}, problems
+	return [4]<-chan struct{}{podsWatch, enrollWatch, nodeWatch, cniPodsWatch}, problems
 }
 
 type desiredRows struct {
@@ -166,7 +175,7 @@ type desiredRows struct {
 //     traffic to them is same-node and never steered.
 //   - The node's mTLS agent gets the agent entry.
 //   - Each uplink in --devices gets the node-ingress program.
-func desired(cfg Config, scan Scan, scanErr error, pods func(func(*tables.Pod, statedb.Revision) bool),
+func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 	enrolled map[string]*enrollment.Enrollment, node *tables.Node) desiredRows {
 	out := desiredRows{redirects: map[netip.Addr]*Redirect{}, attachments: map[string]*Attachment{}}
 	add := func(r *Redirect) {
@@ -176,7 +185,7 @@ func desired(cfg Config, scan Scan, scanErr error, pods func(func(*tables.Pod, s
 		out.redirects[r.Addr] = r
 	}
 	var agents []*tables.Pod
-	for pod := range pods {
+	for _, pod := range pods {
 		if pod.Finished() {
 			continue // its address may already belong to a new pod
 		}

@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package cni
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// store keeps each cni-pods row in a file of the state folder. The ADD of
+// a pod returns before the kubelet writes the pod's addresses to the API:
+// an agent restarted in between must still know them, or it would remove
+// the pod's redirection. The folder lives as long as the node's pinned BPF
+// state (/var/run is cleared at boot, like bpffs), so a reboot forgets both.
+type store struct{ dir string }
+
+func newStore(dir string) *store { return &store{dir: filepath.Join(dir, "cni-pods")} }
+
+// containerIDPattern is what the CNI specification allows in a container
+// id; it also makes the id a safe file name.
+var containerIDPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}$`)
+
+func validContainerID(id string) error {
+	if !containerIDPattern.MatchString(id) {
+		return fmt.Errorf("containerID %q: want 1 to 255 letters, digits, '_', '.' or '-', starting with a letter or digit", id)
+	}
+	return nil
+}
+
+func (s *store) path(id string) string { return filepath.Join(s.dir, id+".json") }
+
+// save writes the row atomically: a crash leaves the old file or the new.
+func (s *store) save(row *tables.CNIPod) error {
+	b, err := json.Marshal(row)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(s.dir, 0o700); err != nil {
+		return err
+	}
+	tmp, err := os.CreateTemp(s.dir, ".tmp-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := tmp.Write(b); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), s.path(row.ContainerID))
+}
+
+func (s *store) remove(id string) error {
+	if err := os.Remove(s.path(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// load reads every row. A file that does not parse is reported and left
+// for the operator; the others load.
+func (s *store) load() ([]*tables.CNIPod, []error) {
+	entries, err := os.ReadDir(s.dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, []error{err}
+	}
+	var rows []*tables.CNIPod
+	var errs []error
+	for _, e := range entries {
+		id, ok := strings.CutSuffix(e.Name(), ".json")
+		if !ok || e.IsDir() {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(s.dir, e.Name()))
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		var row tables.CNIPod
+		switch err := json.Unmarshal(b, &row); {
+		case err != nil:
+			errs = append(errs, fmt.Errorf("%s: %w", e.Name(), err))
+		case row.ContainerID != id || row.Pod == "":
+			errs = append(errs, fmt.Errorf("%s: holds container %q of pod %q", e.Name(), row.ContainerID, row.Pod))
+		default:
+			rows = append(rows, &row)
+		}
+	}
+	return rows, errs
+}

@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package cni
+
+import (
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+func TestStore(t *testing.T) {
+	s := newStore(t.TempDir())
+	if rows, errs := s.load(); len(rows) != 0 || len(errs) != 0 {
+		t.Fatalf("empty folder: %v %v", rows, errs)
+	}
+	web := &tables.CNIPod{ContainerID: "c1", Pod: "app/web", UID: "u1", IPs: []netip.Addr{netip.MustParseAddr("10.0.1.40")},
+		State: tables.CNIStateWaiting, Updated: time.Date(2026, 12, 2, 10, 0, 0, 0, time.UTC)}
+	api := &tables.CNIPod{ContainerID: "c2", Pod: "app/api", State: tables.CNIStateAllowed}
+	for _, row := range []*tables.CNIPod{web, api} {
+		if err := s.save(row); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A second save replaces the file.
+	web.State = tables.CNIStateAllowed
+	if err := s.save(web); err != nil {
+		t.Fatal(err)
+	}
+	// Damage: a file that does not parse, one that names another
+	// container; both are reported, the good rows load.
+	os.WriteFile(filepath.Join(s.dir, "bad.json"), []byte("{"), 0o600)
+	os.WriteFile(filepath.Join(s.dir, "moved.json"), []byte(`{"containerID": "c9", "pod": "app/x"}`), 0o600)
+
+	rows, errs := s.load()
+	if len(rows) != 2 || len(errs) != 2 {
+		t.Fatalf("rows %v, errors %v: want 2 and 2", rows, errs)
+	}
+	got := map[string]*tables.CNIPod{}
+	for _, r := range rows {
+		got[r.ContainerID] = r
+	}
+	if w := got["c1"]; w == nil || w.State != tables.CNIStateAllowed || w.UID != "u1" || len(w.IPs) != 1 || !w.Updated.Equal(web.Updated) {
+		t.Fatalf("c1 came back as %+v", w)
+	}
+	if err := s.remove("c1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.remove("c1"); err != nil {
+		t.Fatalf("second remove: %v", err)
+	}
+	if rows, _ := s.load(); len(rows) != 1 || rows[0].ContainerID != "c2" {
+		t.Fatalf("after remove: %v", rows)
+	}
+}
+
+func TestValidContainerID(t *testing.T) {
+	for _, id := range []string{"c1", "0123abcdef", "pod_a.b-c", strings.Repeat("a", 255)} {
+		if err := validContainerID(id); err != nil {
+			t.Errorf("%q: %v", id, err)
+		}
+	}
+	for _, id := range []string{"", "..", ".hidden", "a/b", "a b", "-x", strings.Repeat("a", 256)} {
+		if err := validContainerID(id); err == nil {
+			t.Errorf("%q accepted", id)
+		}
+	}
+}
