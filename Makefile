@@ -6,7 +6,7 @@ BIN       ?= bin/mtlsbridge
 PKGS      ?= ./...
 BENCHTIME ?= 1s
 
-.PHONY: all build test bench lint demo kube-assets clean generate check-generate
+.PHONY: all build test bench lint demo kube-assets cni-plugins clean generate check-generate
 
 all: build
 
@@ -19,8 +19,13 @@ build:
 kube-assets:
 	./hack/kube-assets.sh >/dev/null
 
-test: kube-assets
-	MTLSBRIDGE_KUBE_ASSETS=$$(./hack/kube-assets.sh) $(GO) test -race -count=1 $(PKGS)
+# cni-plugins builds the reference ptp and static CNI plugins once (seconds)
+# and caches them under ~/.cache/mtlsbridge, for internal/cnitest.
+cni-plugins:
+	./hack/cni-plugins.sh >/dev/null
+
+test: kube-assets cni-plugins
+	MTLSBRIDGE_KUBE_ASSETS=$$(./hack/kube-assets.sh) MTLSBRIDGE_CNI_PLUGINS=$$(./hack/cni-plugins.sh) $(GO) test -race -count=1 $(PKGS)
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"strings"
@@ -63,11 +64,20 @@ func (ns *NS) Serve(t testing.TB, server string, port uint16, transparent bool, 
 				if err != nil {
 					return
 				}
-				fmt.Fprintf(c, "%s %s %s\n", server, c.LocalAddr(), c.RemoteAddr())
-				c.Close()
+				go answer(c, server)
 			}
 		}()
 	}
+}
+
+// answer tells the client who answered, then reads what the client sends
+// (bounded) until it closes, so that a client's payload is received, not
+// refused with a reset.
+func answer(c net.Conn, server string) {
+	defer c.Close()
+	fmt.Fprintf(c, "%s %s %s\n", server, c.LocalAddr(), c.RemoteAddr())
+	c.SetReadDeadline(time.Now().Add(DialTimeout))
+	io.Copy(io.Discard, io.LimitReader(c, 1<<20))
 }
 
 // Ask connects from the namespace to addr and reads the Answer.
@@ -79,6 +89,16 @@ func (ns *NS) Ask(addr netip.AddrPort) (Answer, error) {
 // of the namespace (IP_TRANSPARENT, as an mTLS agent connecting in a pod's
 // name). Port 0 picks a free port.
 func (ns *NS) AskFrom(local, addr netip.AddrPort) (Answer, error) {
+	return ns.ask(local, addr, nil)
+}
+
+// Send connects from the namespace to addr, sends payload and reads the
+// Answer: TCP payload from the pod, as an application sends.
+func (ns *NS) Send(addr netip.AddrPort, payload []byte) (Answer, error) {
+	return ns.ask(netip.AddrPort{}, addr, payload)
+}
+
+func (ns *NS) ask(local, addr netip.AddrPort, payload []byte) (Answer, error) {
 	d := net.Dialer{Timeout: DialTimeout}
 	if local.IsValid() {
 		d.LocalAddr = net.TCPAddrFromAddrPort(local)
@@ -94,6 +114,11 @@ func (ns *NS) AskFrom(local, addr netip.AddrPort) (Answer, error) {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(DialTimeout))
+	if len(payload) > 0 {
+		if _, err := c.Write(payload); err != nil {
+			return Answer{}, fmt.Errorf("send to %s: %w", addr, err)
+		}
+	}
 	line, err := bufio.NewReader(c).ReadString('\n')
 	if err != nil {
 		return Answer{}, fmt.Errorf("read answer from %s: %w", addr, err)
