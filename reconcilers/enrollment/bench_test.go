@@ -32,7 +32,10 @@ type benchWorld struct {
 	namespaces statedb.RWTable[*tables.Namespace]
 	policies   statedb.RWTable[*tables.Policy]
 	endpoints  statedb.RWTable[*tables.Endpoint]
-	enrolls    statedb.RWTable[*Enrollment]
+	// cniPods holds only this node's sandboxes: empty for a cluster-wide
+	// benchmark, but looked up for every pod.
+	cniPods statedb.RWTable[*tables.CNIPod]
+	enrolls statedb.RWTable[*Enrollment]
 }
 
 func newBenchWorld(tb testing.TB) *benchWorld {
@@ -51,6 +54,8 @@ func newBenchWorld(tb testing.TB) *benchWorld {
 	w.policies, err = tables.NewPoliciesTable(db)
 	must(err)
 	w.endpoints, err = tables.NewEndpointsTable(db)
+	must(err)
+	w.cniPods, err = tables.NewCNIPodsTable(db)
 	must(err)
 	w.enrolls, err = NewTable(db)
 	must(err)
@@ -122,7 +127,7 @@ func (w *benchWorld) derivation(tb testing.TB) *derivation {
 	d, err := newDerivation(derivationParams{
 		Config: defaultConfig, Log: slog.New(slog.DiscardHandler), DB: w.db,
 		Pods: w.pods, Namespaces: w.namespaces, Policies: w.policies, Endpoints: w.endpoints,
-		Enrollments: w.enrolls,
+		CNIPods: w.cniPods, Enrollments: w.enrolls,
 	})
 	if err != nil {
 		tb.Fatal(err)
