@@ -88,7 +88,7 @@ func TestNeverLeak(t *testing.T) {
 	deadline := time.Now().Add(chaosLimit)
 	for (restarts < minRestarts || pods.Load() < minPods) && time.Now().Before(deadline) && !t.Failed() {
 		n.start()
-		time.Sleep(time.Duration(400+rand.IntN(1600)) * time.Millisecond)
+		time.Sleep(time.Duration(500+rand.IntN(2000)) * time.Millisecond)
 		n.kill()
 		restarts++
 		time.Sleep(time.Duration(rand.IntN(500)) * time.Millisecond)
