@@ -135,7 +135,7 @@ func edit(path string, change func([]any) []any) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	return true, writeAtomic(path, append(out, '\n'), 0o644)
+	return true, WriteAtomic(path, append(out, '\n'), 0o644)
 }
 
 // CopyBinary installs the plugin binary src as binDir/PluginType, unless
@@ -152,7 +152,7 @@ func CopyBinary(src, binDir string) (bool, error) {
 	if err := os.MkdirAll(binDir, 0o755); err != nil {
 		return false, err
 	}
-	return true, writeAtomic(dst, want, 0o755)
+	return true, WriteAtomic(dst, want, 0o755)
 }
 
 // RemoveBinary deletes binDir/PluginType; a missing file is not an error.
@@ -189,10 +189,10 @@ func Uninstall(confDir, binDir string, log io.Writer) error {
 	return errors.Join(errs...)
 }
 
-// writeAtomic writes through a hidden temporary file renamed into place,
+// WriteAtomic writes through a hidden temporary file renamed into place,
 // so that the runtime never reads half a file. The temporary name has no
 // .conf/.conflist/.json suffix: the runtime ignores it.
-func writeAtomic(path string, data []byte, mode os.FileMode) error {
+func WriteAtomic(path string, data []byte, mode os.FileMode) error {
 	tmp, err := os.CreateTemp(filepath.Dir(path), ".mtlsbridge-tmp-")
 	if err != nil {
 		return err
