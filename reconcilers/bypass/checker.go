@@ -45,6 +45,7 @@ type checkerParams struct {
 	Node        tables.LocalNode
 	DB          *statedb.DB
 	Pods        statedb.Table[*tables.Pod]
+	CNIPods     statedb.Table[*tables.CNIPod]
 	Enrollments statedb.Table[*enrollment.Enrollment]
 	Table       statedb.RWTable[*Bypass]
 	Redirect    redirect.Config
@@ -102,7 +103,7 @@ func (c *Checker) Check() ([]*Bypass, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	txn := c.p.DB.ReadTxn()
-	for _, t := range []statedb.TableMeta{c.p.Pods, c.p.Enrollments} {
+	for _, t := range []statedb.TableMeta{c.p.Pods, c.p.CNIPods, c.p.Enrollments} {
 		if ok, _ := t.Initialized(txn); !ok {
 			return nil, ErrNotSynced
 		}
@@ -121,7 +122,7 @@ func (c *Checker) Check() ([]*Bypass, error) {
 		}
 		t := target{Pod: e.Key(), UID: workload.UID(clusterID, e.Namespace, e.Pod)}
 		if pod, _, ok := c.p.Pods.Get(txn, tables.PodByKey(e.Key())); ok {
-			t.IPs = pod.IPs
+			t.IPs = tables.PodAddrs(txn, c.p.CNIPods, pod) // a new sandbox's before the API has them
 		}
 		in.Targets = append(in.Targets, t)
 	}
@@ -177,7 +178,7 @@ func datapathInPlace(rows []*Bypass) bool {
 func (c *Checker) loop(interval time.Duration, log *slog.Logger) func(context.Context, cell.Health) error {
 	return func(ctx context.Context, health cell.Health) error {
 		// Wait for the inputs, then check at once and every interval.
-		if !reconcilers.WaitInitialized(ctx, health, c.p.DB, c.p.Pods, c.p.Enrollments) {
+		if !reconcilers.WaitInitialized(ctx, health, c.p.DB, c.p.Pods, c.p.CNIPods, c.p.Enrollments) {
 			return nil
 		}
 		// Until ready, checks come every readyInterval at most, whatever
