@@ -32,6 +32,7 @@ type derivationParams struct {
 	Health      cell.Health
 	LocalNode   tables.LocalNode
 	Pods        statedb.Table[*tables.Pod]
+	CNIPods     statedb.Table[*tables.CNIPod]
 	Enrollments statedb.Table[*enrollment.Enrollment]
 	// Ready says which of this node's pods are really redirected.
 	Ready     statedb.Table[*redirect.ReadyAnnotation]
@@ -39,10 +40,11 @@ type derivationParams struct {
 }
 
 // derivation keeps one Workload per enrolled pod, following the changes of
-// enrollments (who is in) and pods (addresses, redirect readiness).
+// enrollments (who is in), pods and CNI reports (addresses) and readiness.
 type derivation struct {
 	derivationParams
 	pods        statedb.ChangeIterator[*tables.Pod]
+	cniPods     statedb.ChangeIterator[*tables.CNIPod]
 	enrollments statedb.ChangeIterator[*enrollment.Enrollment]
 	ready       statedb.ChangeIterator[*redirect.ReadyAnnotation]
 	initDone    func(statedb.WriteTxn)
@@ -50,10 +52,13 @@ type derivation struct {
 
 func newDerivation(p derivationParams) (*derivation, error) {
 	d := &derivation{derivationParams: p}
-	wtxn := p.DB.WriteTxn(p.Pods, p.Enrollments, p.Ready, p.Workloads)
+	wtxn := p.DB.WriteTxn(p.Pods, p.CNIPods, p.Enrollments, p.Ready, p.Workloads)
 	defer wtxn.Abort()
 	var err error
 	if d.pods, err = p.Pods.Changes(wtxn); err != nil {
+		return nil, err
+	}
+	if d.cniPods, err = p.CNIPods.Changes(wtxn); err != nil {
 		return nil, err
 	}
 	if d.enrollments, err = p.Enrollments.Changes(wtxn); err != nil {
@@ -81,6 +86,10 @@ func (d *derivation) step() []<-chan struct{} {
 	for c := range podChanges {
 		dirty[c.Object.Key()] = struct{}{}
 	}
+	cniChanges, cniWatch := d.cniPods.Next(txn)
+	for c := range cniChanges {
+		dirty[c.Object.Pod] = struct{}{}
+	}
 	enrollChanges, enrollWatch := d.enrollments.Next(txn)
 	for c := range enrollChanges {
 		dirty[c.Object.Key()] = struct{}{}
@@ -92,7 +101,7 @@ func (d *derivation) step() []<-chan struct{} {
 	if len(dirty) > 0 {
 		d.update(dirty)
 	}
-	watches := []<-chan struct{}{podWatch, enrollWatch, readyWatch}
+	watches := []<-chan struct{}{podWatch, cniWatch, enrollWatch, readyWatch}
 	if d.initDone != nil {
 		if ok, w := d.Enrollments.Initialized(txn); ok {
 			wtxn := d.DB.WriteTxn(d.Workloads)
@@ -122,6 +131,8 @@ func (d *derivation) update(dirty map[string]struct{}) {
 			}
 			continue
 		}
+		// A local pod's new sandbox has addresses the API shows later.
+		pod = tables.WithPodAddrs(wtxn, d.CNIPods, pod)
 		w, err := New(d.Config.ClusterID, d.Enrollment.TrustDomain, pod, d.redirected(wtxn, pod))
 		if err != nil {
 			d.Log.Error("Cannot encode workload", "pod", key, "error", err)
