@@ -33,8 +33,10 @@ type serverParams struct {
 	Auth      *grpcserver.Authenticator
 	DB        *statedb.DB
 	Workloads statedb.Table[*workload.Workload]
-	// Pods resolve on-demand "network/ip" names to workloads.
+	// Pods and CNIPods (a new sandbox's addresses, before the API has
+	// them) resolve on-demand "network/ip" names to workloads.
 	Pods           statedb.Table[*tables.Pod]
+	CNIPods        statedb.Table[*tables.CNIPod]
 	WorkloadConfig workload.Config
 	Clients        statedb.RWTable[*Client]
 	// Node limits the acknowledgements kept to this node's workloads.

@@ -317,9 +317,19 @@ func (st *stream) resolve(txn statedb.ReadTxn, name string) *workload.Workload {
 	if err != nil {
 		return nil // "namespace/hostname": no services yet
 	}
+	var pods []string
 	for pod := range st.srv.Pods.List(txn, tables.PodsByIP(ip)) {
-		uid := workload.UID(st.srv.WorkloadConfig.ClusterID, pod.Namespace, pod.Name)
-		if w, _, found := st.srv.Workloads.Get(txn, workload.ByUID(uid)); found {
+		pods = append(pods, pod.Key())
+	}
+	// This node's pods may have addresses the API does not show yet.
+	for row := range st.srv.CNIPods.All(txn) {
+		if slices.Contains(row.IPs, ip) {
+			pods = append(pods, row.Pod)
+		}
+	}
+	for _, key := range pods {
+		ns, name, _ := strings.Cut(key, "/")
+		if w, _, found := st.srv.Workloads.Get(txn, workload.ByUID(workload.UID(st.srv.WorkloadConfig.ClusterID, ns, name))); found {
 			return w
 		}
 	}

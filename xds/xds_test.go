@@ -5,6 +5,8 @@ package xds_test
 import (
 	"context"
 	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -12,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -22,7 +25,10 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	"istio.io/istio/pkg/workloadapi"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/xds"
 )
 
@@ -148,7 +154,7 @@ func decode(t *testing.T, r *discovery.Resource) *workloadapi.Workload {
 	return addr.GetWorkload()
 }
 
-func startAgent(t *testing.T) *agenttest.Agent {
+func startAgent(t *testing.T, extra ...cell.Cell) *agenttest.Agent {
 	manifests := t.TempDir()
 	content, err := os.ReadFile("testdata/cluster.yaml")
 	if err != nil {
@@ -157,7 +163,7 @@ func startAgent(t *testing.T) *agenttest.Agent {
 	if err := os.WriteFile(filepath.Join(manifests, "cluster.yaml"), content, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	return agenttest.Start(t, manifests, nil, "--xds-coalesce=1ms")
+	return agenttest.Start(t, manifests, extra, "--xds-coalesce=1ms")
 }
 
 const newPod = `
@@ -325,6 +331,57 @@ func TestOnDemand(t *testing.T) {
 	// Changes of other workloads are not pushed to an on-demand client.
 	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.30"))
 	z.quiet(300 * time.Millisecond)
+}
+
+// On demand, a pod of this node that the CNI plugin is starting: its
+// address resolves before the API shows it.
+func TestOnDemandNewSandbox(t *testing.T) {
+	var workloads statedb.Table[*workload.Workload]
+	a := startAgent(t, cell.Invoke(func(w statedb.Table[*workload.Workload]) { workloads = w }))
+	a.WriteManifest(t, "fresh.yaml", `
+apiVersion: v1
+kind: Pod
+metadata: {name: fresh, namespace: app, labels: {cilium.io/redir-type: workload}}
+spec: {nodeName: node-a}
+status: {phase: Pending}
+`)
+	// The plugin's question at ADD (the datapath is off here: the answer
+	// stays pending, the report is recorded).
+	client := http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", api.SocketPath(a.StateDir))
+	}}}
+	freshUID := "Kubernetes//Pod/app/fresh"
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, err := client.Post("http://agent"+plugin.PodPathPrefix+"app/fresh", "application/json",
+			strings.NewReader(`{"containerID": "c-fresh", "ips": ["10.0.1.77"]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if _, _, ok := workloads.Get(a.DB.ReadTxn(), workload.ByUID(freshUID)); ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no workload for the pod the plugin reported")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.subscribe(xds.AddressType, nil, true)
+	z.recvType(xds.AddressType)
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"/10.0.1.77"}})
+	resp := z.recvType(xds.AddressType)
+	if got := names(resp); !slices.Equal(got, []string{freshUID}) {
+		t.Fatalf("on-demand answer %v (removed %v), want fresh", got, resp.RemovedResources)
+	}
+	if w := decode(t, resp.Resources[0]); len(w.GetAddresses()) != 1 {
+		t.Errorf("fresh's workload has addresses %v, want the reported one", w.GetAddresses())
+	}
 }
 
 func TestRefusedCallers(t *testing.T) {
