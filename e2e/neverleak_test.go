@@ -17,6 +17,7 @@ import (
 const (
 	minRestarts = 15
 	minPods     = 40
+	maxPods     = 140 // within maxAddrs
 	concurrency = 6
 	chaosLimit  = 3 * time.Minute
 )
@@ -44,11 +45,12 @@ func TestNeverLeak(t *testing.T) {
 	go func() {
 		defer close(podsDone)
 		slots := make(chan struct{}, concurrency)
-		for i := 0; ; i++ {
+		defer wg.Wait()
+	start:
+		for i := range maxPods {
 			select {
 			case <-done:
-				wg.Wait()
-				return
+				break start
 			case slots <- struct{}{}:
 			}
 			wg.Add(1)
@@ -63,9 +65,11 @@ func TestNeverLeak(t *testing.T) {
 				}
 				pods.Add(1)
 				// The kubelet writes the addresses some time after ADD.
+				written := make(chan struct{})
 				go func() {
 					time.Sleep(time.Duration(rand.IntN(500)) * time.Millisecond)
 					n.writePod(p, true)
+					close(written)
 				}()
 				stop := make(chan struct{})
 				ran := make(chan struct{})
@@ -76,9 +80,11 @@ func TestNeverLeak(t *testing.T) {
 				if err := n.runtime.Del(context.Background(), p.sb); err != nil {
 					t.Errorf("DEL of %s (%s): %v", p.name, hostIf, err)
 				}
+				<-written
 				n.deletePod(p)
 			}()
 		}
+		<-done
 	}()
 
 	// The agent: first after a while (pods are waiting), then killed and

@@ -37,6 +37,8 @@ const (
 	addTimeout  = 60 * time.Second // one pod's start, through all its retries
 	waitTimeout = 30 * time.Second
 	serverPort  = 8080
+	// maxAddrs pods' sandboxes get addresses, never reused.
+	maxAddrs = 150
 )
 
 // node is node-a of a two-node topology with everything the test plays: the
@@ -111,7 +113,7 @@ status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
 		n.kill()
 		if t.Failed() {
 			b, _ := os.ReadFile(n.logFile)
-			t.Logf("agent log (last 8 KiB):\n%s", b[max(0, len(b)-8<<10):])
+			t.Logf("agent log (last 64 KiB):\n%s", b[max(0, len(b)-64<<10):])
 		}
 	})
 	return n
@@ -197,8 +199,8 @@ func (n *node) newPod(name string, enrolled bool) *pod {
 // assignAddrs gives the pod fresh addresses for its next sandbox.
 func (n *node) assignAddrs(p *pod) {
 	i := n.nextIP.Add(1)
-	if i > 150 {
-		n.t.Fatal("out of pod addresses")
+	if i > maxAddrs {
+		panic("out of pod addresses: a test starts too many pods") // a bug of the test
 	}
 	// Node-b routes 10.1.0.0/24 and fd00:1::/64 to node-a; netnstest's
 	// pods use the low addresses.

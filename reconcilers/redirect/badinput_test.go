@@ -93,12 +93,15 @@ func TestBadInput(t *testing.T) {
 	})
 
 	// Step 4: a's interface goes away (the pod is being torn down): its
-	// rows say so, its attachment goes, the rest keeps working.
+	// rows say so, the rest keeps working. Its attachment row stays until
+	// the pod is no longer enrolled: a scan that misses an interface must
+	// never detach a running pod's program (the kernel dropped this one
+	// with the device).
 	c.a.Remove(t)
 	ag.waitFor(t, "a's rows with an error", func(txn statedb.ReadTxn) bool {
 		r, _, ok := ag.redirects.Get(txn, redirect.RedirectByAddr(c.a.IP4))
 		_, _, attached := ag.attachments.Get(txn, redirect.AttachmentByDevice(c.a.HostIf))
-		return ok && hasError(redirect.ErrNoInterface)(r.Status) && !attached
+		return ok && hasError(redirect.ErrNoInterface)(r.Status) && attached
 	})
 	if ans := ask(t, c.n, c.r.IP4, 8080); ans.Server != "r" {
 		t.Errorf("n -> r answered by %s", ans)
@@ -106,6 +109,13 @@ func TestBadInput(t *testing.T) {
 	if ans := ask(t, c.r, c.n.IP4, 15008); ans.Server != "n" {
 		t.Errorf("r -> n:15008 answered by %s", ans)
 	}
+	// The pod leaves the API: its attachment row goes.
+	c.write(t, manifest{enrollA: true, withAgent: true, withoutA: true})
+	ag.waitFor(t, "a's rows gone", func(txn statedb.ReadTxn) bool {
+		_, _, entry := ag.redirects.Get(txn, redirect.RedirectByAddr(c.a.IP4))
+		_, _, attached := ag.attachments.Get(txn, redirect.AttachmentByDevice(c.a.HostIf))
+		return !entry && !attached
+	})
 }
 
 // TestDatapathUnavailable: without BPF (here: a --bpf-root that is not on

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"iter"
 	"log/slog"
 	"net/netip"
 	"slices"
@@ -136,7 +137,10 @@ func (d *derivation) pass(scan Scan, scanErr error) ([4]<-chan struct{}, int) {
 	for pod := range pods {
 		local = append(local, tables.WithPodAddrs(wtxn, d.CNIPods, pod))
 	}
-	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj)
+	attached := func(pod string) iter.Seq2[*Attachment, statedb.Revision] {
+		return d.Attachments.List(wtxn, AttachmentsByPod(pod))
+	}
+	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj, attached)
 
 	problems := 0
 	for _, r := range want.redirects {
@@ -175,8 +179,14 @@ type desiredRows struct {
 //     traffic to them is same-node and never steered.
 //   - The node's mTLS agent gets the agent entry.
 //   - Each uplink in --devices gets the node-ingress program.
+//
+// A pod whose interface is not found keeps what it has: its entries (the
+// reconciler leaves the map as it is for rows with a problem) and its
+// attachments, from attached. An interrupted or partial scan must never
+// unsteer a running pod.
 func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
-	enrolled map[string]*enrollment.Enrollment, node *tables.Node) desiredRows {
+	enrolled map[string]*enrollment.Enrollment, node *tables.Node,
+	attached func(pod string) iter.Seq2[*Attachment, statedb.Revision]) desiredRows {
 	out := desiredRows{redirects: map[netip.Addr]*Redirect{}, attachments: map[string]*Attachment{}}
 	add := func(r *Redirect) {
 		if old, ok := out.redirects[r.Addr]; ok && !preferred(r, old) {
@@ -203,6 +213,9 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 		problem := ""
 		if !found {
 			problem = noInterface(pod, scanErr)
+			for a := range attached(pod.Key()) {
+				out.attachments[a.Device] = a
+			}
 		} else {
 			out.attachments[iface.Name] = &Attachment{Device: iface.Name, Ifindex: iface.Index, Hook: bpf.HookFromPod, Pod: pod.Key()}
 		}

@@ -151,8 +151,22 @@ func (ni *netlinkInterfaces) Scan() (Scan, error) {
 	return s, err
 }
 
+// scanAttempts bounds the retries of a scan whose netlink dumps were
+// interrupted: interfaces came or went meanwhile (pods starting and going),
+// and the kernel marks such a dump possibly inconsistent.
+const scanAttempts = 5
+
 // scan runs in the node's namespace.
 func scan() (Scan, error) {
+	for attempt := 1; ; attempt++ {
+		s, err := scanOnce()
+		if !errors.Is(err, netlink.ErrDumpInterrupted) || attempt == scanAttempts {
+			return s, err
+		}
+	}
+}
+
+func scanOnce() (Scan, error) {
 	s := Scan{Pods: map[netip.Addr]PodInterface{}, Devices: map[string]int{}}
 	links, err := netlink.LinkList()
 	if err != nil {

@@ -72,6 +72,7 @@ type manifest struct {
 	enrollA   bool
 	withAgent bool
 	withoutN  bool
+	withoutA  bool
 }
 
 // write puts the cluster's objects in the manifest folder, as a rename.
@@ -98,9 +99,11 @@ func (c *cluster) write(t *testing.T, m manifest) {
 	if !m.withoutN {
 		docs = append(docs, pod("n", "node-a", nil, c.n.IP4, c.n.IP6))
 	}
-	if m.enrollA {
+	switch {
+	case m.withoutA:
+	case m.enrollA:
 		docs = append(docs, pod("a", "node-a", workload, c.a.IP4, c.a.IP6))
-	} else {
+	default:
 		docs = append(docs, pod("a", "node-a", nil, c.a.IP4, c.a.IP6))
 	}
 	if m.withAgent {

@@ -94,6 +94,7 @@ type fakeKernel struct {
 	devices  map[string]int
 	changed  chan struct{}
 	broken   error
+	scanErr  error // every Scan fails
 }
 
 var (
@@ -162,6 +163,10 @@ func (k *fakeKernel) Attached() ([]string, error) {
 func (k *fakeKernel) Scan() (redirect.Scan, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
+	if k.scanErr != nil {
+		// As netlink's LinkList when a dump is interrupted for good.
+		return redirect.Scan{Pods: map[netip.Addr]redirect.PodInterface{}, Devices: map[string]int{}}, k.scanErr
+	}
 	return redirect.Scan{Pods: maps.Clone(k.pods), Devices: maps.Clone(k.devices)}, nil
 }
 
@@ -260,6 +265,17 @@ func (k *fakeKernel) commands() map[string]script.Cmd {
 					return nil, script.ErrUsage
 				}
 				k.change(func() { k.attached[args[0]] = bpf.Hook(args[1]) })
+				return nil, nil
+			}),
+		"kernel/scan-fail": script.Command(
+			script.CmdUsage{Summary: "make interface scans find nothing and fail with MESSAGE, or work again without", Args: "[message]"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				k.change(func() {
+					k.scanErr = nil
+					if len(args) > 0 {
+						k.scanErr = fmt.Errorf("%s", strings.Join(args, " "))
+					}
+				})
 				return nil, nil
 			}),
 		"kernel/break": script.Command(
