@@ -57,6 +57,7 @@ const (
 	minPassInterval = 50 * time.Millisecond
 	minRetry        = 500 * time.Millisecond
 	maxRetry        = 30 * time.Second
+	initScanGrace   = 10 * time.Second
 )
 
 func registerDerivation(p derivationParams) {
@@ -82,10 +83,17 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 	}
 
 	retry := minRetry
+	start := time.Now()
 	for {
 		changed := d.Interfaces.Changed()
 		scan, scanErr := d.Interfaces.Scan()
-		watches, problems := d.pass(scan, scanErr)
+		// The tables count as initialized (which lets the reconcilers
+		// prune what they do not hold) only after a full scan: a pod
+		// missing from a partial one would lose the entries and programs
+		// a previous agent left it. A scan that keeps failing delays
+		// this for initScanGrace at most.
+		complete := scanErr == nil || time.Since(start) > initScanGrace
+		watches, problems := d.pass(scan, scanErr, complete)
 		if problems == 0 {
 			health.OK(fmt.Sprintf("%d redirects", d.Redirects.NumObjects(d.DB.ReadTxn())))
 			retry = minRetry
@@ -94,7 +102,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 				errors.Join(fmt.Errorf("%d rows of redirects and attachments with problems", problems), scanErr))
 		}
 		var retryC <-chan time.Time
-		if problems > 0 {
+		if problems > 0 || scanErr != nil {
 			retryC = time.After(retry)
 			retry = min(2*retry, maxRetry)
 		}
@@ -118,7 +126,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 
 // pass recomputes the rows in one transaction. It returns the watch
 // channels of its inputs and the number of rows with a problem.
-func (d *derivation) pass(scan Scan, scanErr error) ([4]<-chan struct{}, int) {
+func (d *derivation) pass(scan Scan, scanErr error, initialize bool) ([4]<-chan struct{}, int) {
 	wtxn := d.DB.WriteTxn(d.Redirects, d.Attachments)
 	defer wtxn.Abort()
 	node := d.Node.NodeName
@@ -159,10 +167,12 @@ func (d *derivation) pass(scan Scan, scanErr error) ([4]<-chan struct{}, int) {
 	reconcilers.Sync(wtxn, d.Attachments, want.attachments,
 		func(a *Attachment) string { return a.Device }, (*Attachment).sameDesire,
 		func(a *Attachment) { a.Status = reconciler.StatusPending() })
-	for _, done := range d.initDone {
-		done(wtxn)
+	if initialize {
+		for _, done := range d.initDone {
+			done(wtxn)
+		}
+		d.initDone = nil
 	}
-	d.initDone = nil
 	wtxn.Commit()
 	return [4]<-chan struct{}{podsWatch, enrollWatch, nodeWatch, cniPodsWatch}, problems
 }
