@@ -145,12 +145,15 @@ func (c *Checker) Check() ([]*Bypass, error) {
 			return nil, err
 		}
 	}
-	if c.initDone != nil && (in.Disabled != nil || datapathInPlace(rows)) {
+	nowReady := c.initDone != nil && (in.Disabled != nil || datapathInPlace(rows))
+	if nowReady {
 		c.initDone(wtxn)
 		c.initDone = nil
-		close(c.ready)
 	}
 	wtxn.Commit()
+	if nowReady {
+		close(c.ready) // after the commit: whoever wakes sees the table initialized
+	}
 	c.gauge.Set(float64(bypassing))
 	return rows, nil
 }
