@@ -65,7 +65,7 @@ type node struct {
 	// its pod by its source address.
 	nextIP   atomic.Int32
 	enrolled sync.Map // netip.Addr -> pod name
-	plain    sync.Map
+	plain    sync.Map // the same, for pods not enrolled
 }
 
 func newNode(t *testing.T) *node {
@@ -380,59 +380,44 @@ func payload(segments []netnstest.Segment) int {
 	return c
 }
 
-// checkBypass runs `mtlsbridge bypass -o json` and returns the pods with
-// gaps in the kernel. The xDS gap is left aside: no mTLS agent speaks xDS
-// in this test.
-func (n *node) checkBypass() (map[string][]string, error) {
+// checkBypass runs `mtlsbridge bypass -o json` and returns the pods it
+// checked (names in namespace app) and the gaps in the kernel of each pod
+// that has some. The xDS gap is left aside: no mTLS agent speaks xDS here.
+func (n *node) checkBypass() (checked []string, gaps map[string][]string, err error) {
 	cmd := exec.Command(filepath.Join(n.bin, "mtlsbridge"), "bypass", "-o", "json", "--state-dir="+n.stateDir)
 	var out, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &stderr
 	cmd.Run() // exit 1 with the xDS gap: the report says why
 	var rep bypass.Report
 	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
-		return nil, fmt.Errorf("mtlsbridge bypass: %v: %s %s", err, out.String(), stderr.String())
+		return nil, nil, fmt.Errorf("mtlsbridge bypass: %v: %s %s", err, out.String(), stderr.String())
 	}
-	gaps := map[string][]string{}
+	gaps = map[string][]string{}
 	for _, row := range rep.Pods {
+		checked = append(checked, strings.TrimPrefix(row.Pod, "app/"))
 		if g := slices.DeleteFunc(slices.Clone(row.Gaps), func(g string) bool { return g == bypass.GapNotAcked }); len(g) > 0 {
 			gaps[row.Pod] = g
 		}
 	}
-	return gaps, nil
+	slices.Sort(checked)
+	return checked, gaps, nil
 }
 
-// waitNoBypass waits until the bypass check finds the enrolled pods (and
-// only them) with no gap in the kernel.
+// waitNoBypass waits until the bypass check finds the enrolled pods, and
+// only them, without a gap in the kernel.
 func (n *node) waitNoBypass(want []string) {
 	n.t.Helper()
 	deadline := time.Now().Add(waitTimeout)
 	var last string
 	for time.Now().Before(deadline) {
-		gaps, err := n.checkBypass()
-		if err == nil && len(gaps) == 0 {
-			if got := n.checkedPods(); slices.Equal(got, want) {
-				return
-			} else {
-				last = fmt.Sprintf("checked %v, want %v", got, want)
-			}
-		} else {
-			last = fmt.Sprintf("gaps %v, error %v", gaps, err)
+		checked, gaps, err := n.checkBypass()
+		if err == nil && len(gaps) == 0 && slices.Equal(checked, want) {
+			return
 		}
+		last = fmt.Sprintf("checked %v (want %v), gaps %v, error %v", checked, want, gaps, err)
 		time.Sleep(200 * time.Millisecond)
 	}
 	n.t.Fatalf("enrolled pods not all redirected: %s", last)
-}
-
-func (n *node) checkedPods() []string {
-	out, _ := exec.Command(filepath.Join(n.bin, "mtlsbridge"), "bypass", "-o", "json", "--state-dir="+n.stateDir).Output()
-	var rep bypass.Report
-	json.Unmarshal(out, &rep)
-	var pods []string
-	for _, row := range rep.Pods {
-		pods = append(pods, strings.TrimPrefix(row.Pod, "app/"))
-	}
-	slices.Sort(pods)
-	return pods
 }
 
 func must(t testing.TB, err error) {
