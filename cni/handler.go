@@ -75,6 +75,7 @@ func (h *handler) ask(w http.ResponseWriter, r *http.Request) {
 		}
 		wait = min(d, plugin.MaxWait)
 	}
+	start := time.Now()
 	timeout := time.NewTimer(wait)
 	defer timeout.Stop()
 
@@ -105,7 +106,8 @@ wait:
 	}
 	h.record(key, req, ans)
 	h.Log.Info("CNI pod start", "pod", key, "container", req.ContainerID, "ips", req.IPs,
-		"enrolled", ans.Enrolled, "reason", ans.Reason, "redirect", ans.Redirect, "known", ans.Known)
+		"enrolled", ans.Enrolled, "reason", ans.Reason, "redirect", ans.Redirect, "known", ans.Known,
+		"waited", time.Since(start))
 	w.Header().Set("Content-Type", "application/json")
 	json.NewEncoder(w).Encode(ans)
 }

@@ -47,7 +47,7 @@ const (
 // transparent listener answering "agent") and the mtlsbridge agent as a
 // process that the test starts and kills. Node-b has pod r, answering "r".
 type node struct {
-	t          *testing.T
+	t          testing.TB
 	bin        string
 	node, peer *netnstest.Node
 	r          *netnstest.Pod
@@ -68,7 +68,7 @@ type node struct {
 	plain    sync.Map // the same, for pods not enrolled
 }
 
-func newNode(t *testing.T) *node {
+func newNode(t testing.TB) *node {
 	netnstest.RequirePrivileged(t)
 	n := &node{t: t, bin: cnitest.Binaries(t), manifests: t.TempDir(), bpfRoot: netnstest.BPFRoot(t),
 		logFile: filepath.Join(t.TempDir(), "agent.log")}

@@ -51,9 +51,12 @@ type derivation struct {
 	initDone []func(statedb.WriteTxn)
 }
 
-// Pacing of the derivation: bursts of netlink events (a pod being wired up)
-// are taken together, and rows with problems are retried with backoff.
+// Pacing of the derivation: changes that come together (a CNI report and
+// the enrollment it makes, a pod's veth and its addresses) are taken in one
+// pass, bursts of netlink events make at most one pass per minPassInterval,
+// and rows with problems are retried with backoff.
 const (
+	settle          = 5 * time.Millisecond
 	minPassInterval = 50 * time.Millisecond
 	minRetry        = 500 * time.Millisecond
 	maxRetry        = 30 * time.Second
@@ -85,6 +88,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 	retry := minRetry
 	start := time.Now()
 	for {
+		passStart := time.Now()
 		changed := d.Interfaces.Changed()
 		scan, scanErr := d.Interfaces.Scan()
 		// The tables count as initialized (which lets the reconcilers
@@ -119,7 +123,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(minPassInterval):
+		case <-time.After(max(settle, time.Until(passStart.Add(minPassInterval)))):
 		}
 	}
 }
