@@ -30,6 +30,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 )
 
 // Bounds of every wait in these tests.
@@ -289,12 +290,20 @@ func hostSide(res *types100.Result) string {
 	return ""
 }
 
-// checkSteered reads the pinned redirect map: each address of the pod has
-// an enrolled entry for the pod's interface.
+// checkSteered reads the pinned state: the from-pod program is first on
+// the pod's interface, and each address of the pod has an enrolled entry
+// for that interface in the redirect map.
 func (n *node) checkSteered(p *pod, hostIf string) error {
 	link, err := n.node.Netlink(n.t).LinkByName(hostIf)
 	if err != nil {
 		return fmt.Errorf("pod %s: its interface %q: %w", p.name, hostIf, err)
+	}
+	var prog bpf.LinkInfo
+	if err := n.node.Do(func() (err error) {
+		prog, err = bpf.PinnedLink(redirect.LinkPin(filepath.Join(n.bpfRoot, "agent"), hostIf))
+		return err
+	}); err != nil || prog.Ifindex != link.Attrs().Index || !prog.First {
+		return fmt.Errorf("pod %s started without the from-pod program first on %s: %+v, %v", p.name, hostIf, prog, err)
 	}
 	m, err := ebpf.LoadPinnedMap(filepath.Join(n.bpfRoot, "agent", bpf.MapName), &ebpf.LoadPinOptions{ReadOnly: true})
 	if err != nil {
