@@ -28,6 +28,8 @@ var Cell = cell.Module(
 	"Chained CNI plugin that holds enrolled pods until their redirection is in place",
 
 	cell.Config(defaultConfig),
+	// mtlsbridge_cni_answer_seconds.
+	cell.ProvidePrivate(newMetrics),
 	// cni-pods rows as files in the state folder.
 	cell.ProvidePrivate(func(cfg api.Config) *store { return newStore(cfg.StateDir) }),
 	// POST /v1/cni/pods/NS/NAME and DELETE /v1/cni/containers/ID on api.sock

@@ -33,6 +33,7 @@ type handlerParams struct {
 	Attachments statedb.Table[*redirect.Attachment]
 	CNIPods     statedb.RWTable[*tables.CNIPod]
 	Store       *store
+	Metrics     *metrics
 }
 
 type handlersOut struct {
@@ -105,6 +106,7 @@ wait:
 		}
 	}
 	h.record(key, req, ans)
+	h.Metrics.answers.WithLabelValues(answerLabel(ans)).Observe(time.Since(start).Seconds())
 	h.Log.Info("CNI pod start", "pod", key, "container", req.ContainerID, "ips", req.IPs,
 		"enrolled", ans.Enrolled, "reason", ans.Reason, "redirect", ans.Redirect, "known", ans.Known,
 		"waited", time.Since(start))

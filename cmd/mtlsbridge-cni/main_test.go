@@ -5,6 +5,7 @@ package main_test
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -207,6 +208,15 @@ func TestAgainstAgent(t *testing.T) {
 			if !ok || !row.Enrolled || row.State != tables.CNIStateWaiting || row.Redirect != "pending" {
 				t.Fatalf("cni-pods row: %+v", row)
 			}
+			// The reported addresses count from now on: the enrollments
+			// table follows, and the report is kept in the state folder.
+			e, _, _ = enrollments.Get(a.DB.ReadTxn(), enrollment.ByKey(tc.ns+"/"+tc.pod))
+			if e == nil || !e.Enrolled || e.Reason != tc.reason {
+				t.Fatalf("enrollments row after the report: %+v, want enrolled by %s", e, tc.reason)
+			}
+			if _, err := os.Stat(filepath.Join(a.StateDir, "cni-pods", "c-"+tc.pod+".json")); err != nil {
+				t.Fatal(err)
+			}
 		})
 	}
 
@@ -261,6 +271,30 @@ func TestAgainstAgent(t *testing.T) {
 		}
 		if _, _, ok := cniPods.Get(a.DB.ReadTxn(), tables.CNIPodByContainer("c-plain")); ok {
 			t.Fatal("cni-pods row still there after DEL")
+		}
+		if _, err := os.Stat(filepath.Join(a.StateDir, "cni-pods", "c-plain.json")); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("the state folder keeps c-plain after DEL: %v", err)
+		}
+	})
+
+	t.Run("metrics: every answer, by kind", func(t *testing.T) {
+		families, err := a.Metrics.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		counts := map[string]uint64{}
+		for _, f := range families {
+			if f.GetName() != "mtlsbridge_cni_answer_seconds" {
+				continue
+			}
+			for _, m := range f.GetMetric() {
+				counts[m.GetLabel()[0].GetValue()] = m.GetHistogram().GetSampleCount()
+			}
+		}
+		// ADD and CHECK of plain; ADD of web and api, CHECK of web; ADD
+		// of ghost.
+		if counts["not-needed"] < 2 || counts["pending"] < 3 || counts["unknown"] < 1 {
+			t.Fatalf("answers counted %v", counts)
 		}
 	})
 }
