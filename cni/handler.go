@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"log/slog"
 	"net/http"
+	"reflect"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -160,8 +161,14 @@ func (h *handler) record(key string, req plugin.Request, ans plugin.Answer) {
 	}
 	row := &tables.CNIPod{
 		ContainerID: req.ContainerID, Pod: key, UID: req.PodUID, IPs: req.IPs, Netns: req.Netns, IfName: req.IfName,
-		Enrolled: ans.Enrolled, Reason: ans.Reason, Redirect: ans.Redirect, State: state, Updated: time.Now(),
+		Enrolled: ans.Enrolled, Reason: ans.Reason, Redirect: ans.Redirect, State: state,
 	}
+	// A plugin that asks again (an unknown pod, a pending redirect) with
+	// the same answer changes nothing: no write, on disk or in the table.
+	if old, _, ok := h.CNIPods.Get(h.DB.ReadTxn(), tables.CNIPodByContainer(req.ContainerID)); ok && sameReport(old, row) {
+		return
+	}
+	row.Updated = time.Now()
 	// On disk first: a row the table shows is one a restarted agent
 	// still knows.
 	if err := h.Store.save(row); err != nil {
@@ -171,6 +178,13 @@ func (h *handler) record(key string, req plugin.Request, ans plugin.Answer) {
 	wtxn := h.DB.WriteTxn(h.CNIPods)
 	h.CNIPods.Insert(wtxn, row)
 	wtxn.Commit()
+}
+
+// sameReport compares two rows but for the time of the report.
+func sameReport(a, b *tables.CNIPod) bool {
+	x, y := *a, *b
+	x.Updated, y.Updated = time.Time{}, time.Time{}
+	return reflect.DeepEqual(x, y)
 }
 
 // forget removes a container's row (CNI DEL).

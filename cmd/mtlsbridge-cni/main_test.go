@@ -231,8 +231,13 @@ func TestAgainstAgent(t *testing.T) {
 		if r := run(t, "CHECK", "app", "plain", conf(a.StateDir, "")); r.code != 0 || r.stdout != "" {
 			t.Fatalf("not enrolled: exit %d: %s %s", r.code, r.stdout, r.stderr)
 		}
+		before, _, _ := cniPods.Get(a.DB.ReadTxn(), tables.CNIPodByContainer("c-web"))
 		if e := run(t, "CHECK", "app", "web", conf(a.StateDir, "")).err(t); e.Code != 11 {
 			t.Fatalf("enrolled, not redirected: %+v", e)
+		}
+		// The same question and answer again rewrite nothing.
+		if after, _, _ := cniPods.Get(a.DB.ReadTxn(), tables.CNIPodByContainer("c-web")); after != before {
+			t.Fatalf("CHECK rewrote the row of c-web: %+v -> %+v", before, after)
 		}
 		// CHECK exists from CNI 0.4.0 on.
 		old := strings.Replace(conf(a.StateDir, ""), `"cniVersion": "1.0.0", "name"`, `"cniVersion": "0.3.1", "name"`, 1)
