@@ -15,14 +15,10 @@ PLUGINS_VERSION=v1.10.0
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 moddir="${here}/cni-plugins"
-dir="${MTLSBRIDGE_CNI_PLUGINS:-${HOME}/.cache/mtlsbridge/cni-plugins-${PLUGINS_VERSION}}"
-
-log() { echo "cni-plugins: $*" >&2; }
-
-# The wrapper module stands alone: never let a go.work above it take over.
-export GOWORK=off
-# Static binaries, as the upstream releases are; no C toolchain needed.
-export CGO_ENABLED=0
+PREFIX=cni-plugins
+DEST="${MTLSBRIDGE_CNI_PLUGINS:-${HOME}/.cache/mtlsbridge/cni-plugins-${PLUGINS_VERSION}}"
+# shellcheck source=hack/build-cached.sh
+source "${here}/build-cached.sh"
 
 cd "${moddir}"
 
@@ -33,26 +29,7 @@ if [[ "${got}" != "${PLUGINS_VERSION}" ]]; then
 	exit 1
 fi
 
-mkdir -p "${dir}"
+build_cached ptp github.com/containernetworking/plugins/plugins/main/ptp
+build_cached static github.com/containernetworking/plugins/plugins/ipam/static
 
-# build NAME PACKAGE
-build() {
-	local name="$1" pkg="$2"
-	local dest="${dir}/${name}"
-	if [[ -x "${dest}" ]]; then
-		return 0
-	fi
-	local tmp="${dir}/.${name}.tmp.$$"
-	# shellcheck disable=SC2064 # expand now: tmp is local to this function
-	trap "rm -f -- $(printf '%q' "${tmp}")" EXIT
-	log "building ${name} (${pkg}) into ${dir}"
-	# -mod=readonly: go.sum is complete, so a clean module cache only downloads.
-	go build -mod=readonly -trimpath -o "${tmp}" "${pkg}"
-	mv -f "${tmp}" "${dest}"
-	trap - EXIT
-}
-
-build ptp github.com/containernetworking/plugins/plugins/main/ptp
-build static github.com/containernetworking/plugins/plugins/ipam/static
-
-echo "${dir}"
+echo "${DEST}"

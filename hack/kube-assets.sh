@@ -18,14 +18,10 @@ ETCD_VERSION=v3.7.3
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 moddir="${here}/kube-apiserver"
-assets="${MTLSBRIDGE_KUBE_ASSETS:-${HOME}/.cache/mtlsbridge/kube-${K8S_VERSION}-etcd-${ETCD_VERSION}}"
-
-log() { echo "kube-assets: $*" >&2; }
-
-# The wrapper module stands alone: never let a go.work above it take over.
-export GOWORK=off
-# Static binaries, as the upstream releases are; no C toolchain needed.
-export CGO_ENABLED=0
+PREFIX=kube-assets
+DEST="${MTLSBRIDGE_KUBE_ASSETS:-${HOME}/.cache/mtlsbridge/kube-${K8S_VERSION}-etcd-${ETCD_VERSION}}"
+# shellcheck source=hack/build-cached.sh
+source "${here}/build-cached.sh"
 
 cd "${moddir}"
 
@@ -49,28 +45,8 @@ k8s_ldflags+=" -X k8s.io/component-base/version.gitMajor=${major}"
 k8s_ldflags+=" -X k8s.io/component-base/version.gitMinor=${minor}"
 k8s_ldflags+=" -X k8s.io/component-base/version.gitTreeState=clean"
 
-mkdir -p "${assets}"
+# A cold build takes several minutes per binary.
+build_cached etcd go.etcd.io/etcd/server/v3 ""
+build_cached kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "${k8s_ldflags}"
 
-# build NAME PACKAGE LDFLAGS
-build() {
-	local name="$1" pkg="$2" ldflags="$3"
-	local dest="${assets}/${name}"
-	if [[ -x "${dest}" ]]; then
-		return 0
-	fi
-	local tmp="${assets}/.${name}.tmp.$$"
-	# shellcheck disable=SC2064 # expand now: tmp is local to this function
-	trap "rm -f -- $(printf '%q' "${tmp}")" EXIT
-	log "building ${name} (${pkg}) into ${assets}; this takes several minutes"
-	local start=${SECONDS}
-	# -mod=readonly: go.sum is complete, so a clean module cache only downloads.
-	go build -mod=readonly -trimpath -ldflags "${ldflags}" -o "${tmp}" "${pkg}"
-	mv -f "${tmp}" "${dest}"
-	trap - EXIT
-	log "built ${name} in $((SECONDS - start))s"
-}
-
-build etcd go.etcd.io/etcd/server/v3 ""
-build kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "${k8s_ldflags}"
-
-echo "${assets}"
+echo "${DEST}"
