@@ -73,15 +73,26 @@ var (
 		FromString: ExactKeyFromString,
 	}
 
+	// cniIPIndex finds a sandbox by address (on-demand xDS), before the
+	// API shows it on the pod.
+	cniIPIndex = statedb.Index[*CNIPod, netip.Addr]{
+		Name:       "ip",
+		FromObject: func(p *CNIPod) index.KeySet { return addrKeys(p.IPs) },
+		FromKey:    index.NetIPAddr,
+		FromString: index.NetIPAddrString,
+	}
+
 	// CNIPodByContainer queries the row of a container id.
 	CNIPodByContainer = cniContainerIndex.Query
 	// CNIPodsByPod queries the containers of a pod ("namespace/name").
 	CNIPodsByPod = cniPodIndex.Query
+	// CNIPodsByIP queries the containers reported with an address.
+	CNIPodsByIP = cniIPIndex.Query
 )
 
 // NewCNIPodsTable creates the cni-pods table.
 func NewCNIPodsTable(db *statedb.DB) (statedb.RWTable[*CNIPod], error) {
-	return statedb.NewTable(db, CNIPodsTableName, cniContainerIndex, cniPodIndex)
+	return statedb.NewTable(db, CNIPodsTableName, cniContainerIndex, cniPodIndex, cniIPIndex)
 }
 
 // PodAddrs returns the addresses of a pod as the node knows them best: those

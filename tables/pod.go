@@ -93,17 +93,8 @@ var (
 	// podIPIndex finds pods by address (the bypass check, on-demand xDS).
 	// Not unique: a finished pod may still hold an address reused since.
 	podIPIndex = statedb.Index[*Pod, netip.Addr]{
-		Name: "ip",
-		FromObject: func(p *Pod) index.KeySet {
-			if len(p.IPs) == 0 {
-				return index.KeySet{}
-			}
-			keys := make([]index.Key, len(p.IPs))
-			for i, ip := range p.IPs {
-				keys[i] = index.NetIPAddr(ip)
-			}
-			return index.NewKeySet(keys[0], keys[1:]...)
-		},
+		Name:       "ip",
+		FromObject: func(p *Pod) index.KeySet { return addrKeys(p.IPs) },
 		FromKey:    index.NetIPAddr,
 		FromString: index.NetIPAddrString,
 	}
@@ -117,6 +108,18 @@ var (
 	// PodsByIP queries the pods holding an address.
 	PodsByIP = podIPIndex.Query
 )
+
+// addrKeys are the keys of an address index.
+func addrKeys(ips []netip.Addr) index.KeySet {
+	if len(ips) == 0 {
+		return index.KeySet{}
+	}
+	keys := make([]index.Key, len(ips))
+	for i, ip := range ips {
+		keys[i] = index.NetIPAddr(ip)
+	}
+	return index.NewKeySet(keys[0], keys[1:]...)
+}
 
 // NewPodsTable creates the pods table.
 func NewPodsTable(db *statedb.DB) (statedb.RWTable[*Pod], error) {

@@ -322,10 +322,8 @@ func (st *stream) resolve(txn statedb.ReadTxn, name string) *workload.Workload {
 		pods = append(pods, pod.Key())
 	}
 	// This node's pods may have addresses the API does not show yet.
-	for row := range st.srv.CNIPods.All(txn) {
-		if slices.Contains(row.IPs, ip) {
-			pods = append(pods, row.Pod)
-		}
+	for row := range st.srv.CNIPods.List(txn, tables.CNIPodsByIP(ip)) {
+		pods = append(pods, row.Pod)
 	}
 	for _, key := range pods {
 		ns, name, _ := strings.Cut(key, "/")
