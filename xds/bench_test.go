@@ -107,7 +107,9 @@ type benchClient struct {
 	cancel context.CancelFunc
 }
 
-func subscribe(b *testing.B, c discovery.AggregatedDiscoveryServiceClient) *benchClient {
+// subscribeAll subscribes to every workload and receives the initial
+// snapshot of n resources.
+func subscribeAll(b *testing.B, c discovery.AggregatedDiscoveryServiceClient, n int) *benchClient {
 	ctx, cancel := context.WithCancel(context.Background())
 	stream, err := c.DeltaAggregatedResources(ctx)
 	if err != nil {
@@ -116,7 +118,13 @@ func subscribe(b *testing.B, c discovery.AggregatedDiscoveryServiceClient) *benc
 	if err := stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType}); err != nil {
 		b.Fatal(err)
 	}
-	return &benchClient{stream: stream, cancel: cancel}
+	client := &benchClient{stream: stream, cancel: cancel}
+	got := 0
+	client.until(b, func(resp *discovery.DeltaDiscoveryResponse) bool {
+		got += len(resp.Resources)
+		return got >= n
+	})
+	return client
 }
 
 // until receives (and ACKs) responses until done says so.
@@ -256,12 +264,7 @@ func BenchmarkXDSInitialSnapshot(b *testing.B) {
 				back := be.new(b, n)
 				client := back.client(b)
 				for b.Loop() {
-					c := subscribe(b, client)
-					got := 0
-					c.until(b, func(resp *discovery.DeltaDiscoveryResponse) bool {
-						got += len(resp.Resources)
-						return got >= n
-					})
+					c := subscribeAll(b, client, n)
 					c.cancel()
 				}
 			})
@@ -280,12 +283,7 @@ func BenchmarkXDSChangeLatency(b *testing.B) {
 				var latencies []time.Duration
 				gen := 0 // each change is new content, across rounds too
 				for b.Loop() {
-					c := subscribe(b, client)
-					got := 0
-					c.until(b, func(resp *discovery.DeltaDiscoveryResponse) bool {
-						got += len(resp.Resources)
-						return got >= n
-					})
+					c := subscribeAll(b, client, n)
 					for k := range changes {
 						// Space changes beyond the coalescing window so that
 						// each is a push of its own.
@@ -319,12 +317,7 @@ func BenchmarkXDSMemory(b *testing.B) {
 				perWorkload = heapPerWorkload(b, func() (any, func()) {
 					back := be.new(b, n)
 					client := back.client(b)
-					c := subscribe(b, client)
-					got := 0
-					c.until(b, func(resp *discovery.DeltaDiscoveryResponse) bool {
-						got += len(resp.Resources)
-						return got >= n
-					})
+					c := subscribeAll(b, client, n)
 					return back, c.cancel
 				}, n)
 			}
