@@ -43,7 +43,8 @@ func (o *MapOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision
 // Prune implements reconciler.Operations: entries of addresses no row asks
 // for go, e.g. those of pods deleted while the agent was down. The
 // reconciler calls it only once the redirects table is initialized, which
-// the derivation does only after all of its inputs are.
+// the derivation does only after all of its inputs are and an interface
+// scan succeeded.
 func (o *MapOps) Prune(_ context.Context, _ statedb.ReadTxn, rows iter.Seq2[*Redirect, statedb.Revision]) error {
 	have, err := o.dp.Entries()
 	if err != nil {
