@@ -4,19 +4,21 @@
 package agent
 
 import (
+	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
-	"github.com/cilium/hive/shell"
 	"github.com/cilium/statedb"
 
 	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/cni"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/metrics"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
+	"github.com/mtlsbridge/mtlsbridge/statedir"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/source"
 	"github.com/mtlsbridge/mtlsbridge/xds"
@@ -24,9 +26,15 @@ import (
 
 // Infrastructure is what every mtlsbridge hive needs, tests included.
 var Infrastructure = cell.Group(
-	cell.SimpleHealthCell, // health of jobs, shown by the shell's "health" command
-	job.Cell,              // managed goroutines
-	statedb.Cell,          // the in-memory database and its script commands
+	cell.SimpleHealthCell, // health of jobs
+	// ... shown by the shell's "health" command.
+	cell.Provide(func(h *cell.SimpleHealth) hive.ScriptCmdOut {
+		return hive.NewScriptCmd("health", cell.SimpleHealthCmd(h))
+	}),
+	job.Cell,      // managed goroutines
+	statedb.Cell,  // the in-memory database and its script commands
+	metrics.Cell,  // the Prometheus registry every component registers with
+	statedir.Cell, // the private state folder: sockets, CNI reports, CA of folder mode
 )
 
 // Cell is the node agent without its infrastructure.
@@ -35,14 +43,11 @@ var Cell = cell.Group(
 	source.Cell,     // Kubernetes or manifest folder into tables
 	enrollment.Cell, // enrollments: who is in, and why
 	redirect.Cell,   // redirects and attachments: enrolled pods' TCP steered to the mTLS agent in the kernel
-	api.Cell,        // local API: table dumps, health, metrics
+	api.Cell,        // local API and read-only shell: table dumps, health, metrics
 	grpcserver.Cell, // TLS gRPC listener for the mTLS agent, caller authentication
 	identity.Cell,   // certificate authority for the mTLS agent
 	workload.Cell,   // workloads: the Workload API resources of enrolled pods
 	xds.Cell,        // delta xDS for the mTLS agent
 	bypass.Cell,     // bypass: enrolled pods checked against the kernel and xDS acknowledgements
 	cni.Cell,        // chained CNI plugin: enrolled pods start only once redirected; its installer
-	// The hive shell (all script commands, e.g. db/show) on a socket in the
-	// state folder; cmd sets its path from --state-dir.
-	shell.ServerCell(""),
 )

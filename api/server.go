@@ -8,9 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
-	"os"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -18,12 +16,15 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/mtlsbridge/mtlsbridge/api/client"
+	"github.com/mtlsbridge/mtlsbridge/statedir"
 )
 
 type serverParams struct {
 	cell.In
 
-	Config   Config
+	Dir      statedir.Dir
 	Log      *slog.Logger
 	DB       *statedb.DB
 	Jobs     job.Registry
@@ -36,10 +37,7 @@ type serverParams struct {
 // /changes/TABLE) is mounted. /metrics and /healthz sit beside it.
 const StatedbPrefix = "/statedb"
 
-func registerServer(p serverParams) error {
-	if err := os.MkdirAll(p.Config.StateDir, 0o755); err != nil {
-		return fmt.Errorf("--state-dir: %w", err)
-	}
+func registerServer(p serverParams) {
 	mux := http.NewServeMux()
 	mux.Handle(StatedbPrefix+"/", http.StripPrefix(StatedbPrefix, p.DB.HTTPHandler()))
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.Metrics, promhttp.HandlerOpts{}))
@@ -50,21 +48,15 @@ func registerServer(p serverParams) error {
 		mux.Handle(h.Pattern, h.Handler)
 	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	sock := SocketPath(p.Config.StateDir)
+	sock := p.Dir.Path(client.APISocket)
 	p.Jobs.NewGroup(p.Health).Add(job.OneShot("serve", func(ctx context.Context, health cell.Health) error {
-		// A socket left by a previous run would make Listen fail.
-		if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return err
-		}
-		l, err := (&net.ListenConfig{}).Listen(ctx, "unix", sock)
+		// Only the agent's user may talk to the agent: the socket is
+		// 0600 in a 0700 folder from its first moment.
+		l, err := statedir.ListenUnix(sock)
 		if err != nil {
 			return fmt.Errorf("listen on %s: %w", sock, err)
 		}
-		// Only root (the agent's user) may talk to the agent.
-		if err := os.Chmod(sock, 0o600); err != nil {
-			l.Close()
-			return err
-		}
+		defer statedir.CloseUnix(l, sock)
 		p.Log.Info("Serving the local API", "socket", sock)
 		health.OK("serving on " + sock)
 		go func() {
@@ -76,7 +68,6 @@ func registerServer(p serverParams) error {
 		}
 		return nil
 	}))
-	return nil
 }
 
 // Health is the answer of /healthz.

@@ -17,9 +17,9 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/spf13/pflag"
 
-	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
+	"github.com/mtlsbridge/mtlsbridge/statedir"
 )
 
 // Cell answers the CNI plugin and, with --cni-install, installs it.
@@ -31,7 +31,7 @@ var Cell = cell.Module(
 	// mtlsbridge_cni_answer_seconds.
 	cell.ProvidePrivate(newMetrics),
 	// cni-pods rows as files in the state folder.
-	cell.ProvidePrivate(func(cfg api.Config) *store { return newStore(cfg.StateDir) }),
+	cell.ProvidePrivate(func(dir statedir.Dir) *store { return newStore(string(dir)) }),
 	// POST /v1/cni/pods/NS/NAME and DELETE /v1/cni/containers/ID on api.sock
 	// write cni-pods.
 	cell.Provide(newHandlers),

@@ -14,17 +14,17 @@ import (
 	"github.com/cilium/hive/job"
 	"github.com/fsnotify/fsnotify"
 
-	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/statedir"
 )
 
 type installerParams struct {
 	cell.In
 
 	Config     Config
-	API        api.Config
+	StateDir   statedir.Dir
 	Enrollment enrollment.Config
 	Log        *slog.Logger
 	Jobs       job.Registry
@@ -48,7 +48,7 @@ func registerInstaller(p installerParams) error {
 	in := &Installer{
 		Config: p.Config,
 		Binary: bin,
-		Entry: plugin.Entry(p.API.StateDir, p.Config.CNIFailPolicy, p.Enrollment.ExcludedNamespaces,
+		Entry: plugin.Entry(string(p.StateDir), p.Config.CNIFailPolicy, p.Enrollment.ExcludedNamespaces,
 			p.Config.CNIWait),
 		Log: p.Log,
 	}

@@ -11,7 +11,7 @@ import (
 	"regexp"
 	"strings"
 
-	"github.com/mtlsbridge/mtlsbridge/cni/install"
+	"github.com/mtlsbridge/mtlsbridge/internal/atomicfile"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -46,7 +46,7 @@ func (s *store) save(row *tables.CNIPod) error {
 	if err := os.MkdirAll(s.dir, 0o700); err != nil {
 		return err
 	}
-	return install.WriteAtomic(s.path(row.ContainerID), b, 0o600)
+	return atomicfile.Write(s.path(row.ContainerID), b, 0o600)
 }
 
 func (s *store) remove(id string) error {

@@ -23,6 +23,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/atomicfile"
 )
 
 // Files of CA material in a CA folder (STATE_DIR/ca, --ca-dir) or keys of a
@@ -202,10 +204,10 @@ func writeNewRoot(dir, trustDomain string) error {
 		return err
 	}
 	// Key first: a folder with a certificate but no key is never valid.
-	if err := writeFileAtomic(filepath.Join(dir, CAKeyFile), keyPEM, 0o600); err != nil {
+	if err := atomicfile.Write(filepath.Join(dir, CAKeyFile), keyPEM, 0o600); err != nil {
 		return err
 	}
-	return writeFileAtomic(filepath.Join(dir, CACertFile), certPEM, 0o644)
+	return atomicfile.Write(filepath.Join(dir, CACertFile), certPEM, 0o644)
 }
 
 // RotateDir starts a root rotation in a CA folder: the current root joins
@@ -221,7 +223,7 @@ func RotateDir(dir, trustDomain string) error {
 	for _, c := range trusted {
 		pem.Encode(&b, &pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})
 	}
-	if err := writeFileAtomic(filepath.Join(dir, TrustedRootsFile), b.Bytes(), 0o644); err != nil {
+	if err := atomicfile.Write(filepath.Join(dir, TrustedRootsFile), b.Bytes(), 0o644); err != nil {
 		return err
 	}
 	return writeNewRoot(dir, trustDomain)
@@ -235,14 +237,6 @@ func RetireDir(dir string) error {
 		return nil
 	}
 	return err
-}
-
-func writeFileAtomic(path string, data []byte, mode os.FileMode) error {
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, data, mode); err != nil {
-		return err
-	}
-	return os.Rename(tmp, path)
 }
 
 // Authority signs workload certificates with the current material, which a

@@ -17,9 +17,10 @@ import (
 	"github.com/spf13/pflag"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
+	"github.com/mtlsbridge/mtlsbridge/internal/atomicfile"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/statedir"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/source"
 )
@@ -122,7 +123,7 @@ type loaderParams struct {
 	cell.In
 
 	Config       Config
-	API          api.Config
+	StateDir     statedir.Dir
 	Enrollment   enrollment.Config
 	Log          *slog.Logger
 	Lifecycle    cell.Lifecycle
@@ -149,7 +150,7 @@ func registerLoader(p loaderParams) {
 			return LoadDir(dir, p.Enrollment.TrustDomain, p.Clients == nil)
 		}
 	case p.Clients == nil:
-		dir = filepath.Join(p.API.StateDir, "ca")
+		dir = p.StateDir.Path("ca")
 		l.read = func(context.Context) (*Material, error) { return LoadDir(dir, p.Enrollment.TrustDomain, true) }
 	default:
 		l.read = l.readSecret
@@ -183,9 +184,13 @@ func (l *loader) reload(ctx context.Context, _ cell.Health) {
 		return
 	}
 	l.Authority.Set(m, nil)
-	bundle := filepath.Join(l.API.StateDir, "ca", RootCertFile)
-	if err := os.MkdirAll(filepath.Dir(bundle), 0o755); err == nil {
-		err = writeFileAtomic(bundle, m.BundlePEM(), 0o644)
+	bundle := l.StateDir.Path("ca", RootCertFile)
+	err = os.MkdirAll(filepath.Dir(bundle), 0o700)
+	if err == nil {
+		err = atomicfile.Write(bundle, m.BundlePEM(), 0o644)
+	}
+	if err != nil {
+		l.Log.Error("Cannot write the trust bundle for the mTLS agent", "bundle", bundle, "error", err)
 	}
 	l.Log.Info("CA material loaded", "root", m.Root.Subject.CommonName, "trustedOlderRoots", len(m.Trusted),
 		"notAfter", m.Root.NotAfter, "bundle", bundle)

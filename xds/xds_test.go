@@ -25,7 +25,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	"istio.io/istio/pkg/workloadapi"
 
-	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/api/client"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
@@ -348,7 +348,7 @@ status: {phase: Pending}
 	// The plugin's question at ADD (the datapath is off here: the answer
 	// stays pending, the report is recorded).
 	client := http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-		return (&net.Dialer{}).DialContext(ctx, "unix", api.SocketPath(a.StateDir))
+		return (&net.Dialer{}).DialContext(ctx, "unix", client.SocketPath(a.StateDir))
 	}}}
 	freshUID := "Kubernetes//Pod/app/fresh"
 	deadline := time.Now().Add(10 * time.Second)

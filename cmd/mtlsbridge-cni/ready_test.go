@@ -21,6 +21,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/agent"
 	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/api/client"
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/cni"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
@@ -85,7 +86,7 @@ func TestReady(t *testing.T) {
 	// The manifest is read and the API serves.
 	for {
 		ok, _ := pods.Initialized(db.ReadTxn())
-		if _, err := os.Stat(api.SocketPath(stateDir)); ok && err == nil {
+		if _, err := os.Stat(client.SocketPath(stateDir)); ok && err == nil {
 			break
 		}
 		if ctx.Err() != nil {

@@ -8,15 +8,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
-	"net/http"
 	"strconv"
-	"strings"
 	"text/tabwriter"
 
 	"github.com/spf13/cobra"
 
-	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/api/client"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 )
 
@@ -25,7 +22,8 @@ import (
 var errBypassing = errors.New("enrolled pods bypass the mTLS agent")
 
 func bypassCmd() *cobra.Command {
-	var stateDir, output string
+	var output string
+	var stateDir *string
 	cmd := &cobra.Command{
 		Use:   "bypass",
 		Short: "Check the kernel for enrolled pods of this node that bypass the mTLS agent (exit 1 if any)",
@@ -35,10 +33,10 @@ func bypassCmd() *cobra.Command {
 			"HBONE by the mTLS agent. Lists each gap with its reason; exits 1 when any pod bypasses.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return runBypass(cmd.Context(), cmd.OutOrStdout(), stateDir, output)
+			return runBypass(cmd.Context(), cmd.OutOrStdout(), *stateDir, output)
 		},
 	}
-	cmd.Flags().StringVar(&stateDir, api.StateDirFlag, api.DefaultConfig.StateDir, "State folder of the agent")
+	stateDir = stateDirFlag(cmd, false)
 	cmd.Flags().StringVarP(&output, "output", "o", "table", "Output format: table or json")
 	return cmd
 }
@@ -72,32 +70,8 @@ func runBypass(ctx context.Context, w io.Writer, stateDir, output string) error 
 
 func fetchBypass(ctx context.Context, stateDir string) (bypass.Report, error) {
 	var rep bypass.Report
-	sock := api.SocketPath(stateDir)
-	if err := checkReachable(sock); err != nil {
-		return rep, err
-	}
-	client := &http.Client{Transport: &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
-		},
-	}}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://agent"+bypass.APIPath, nil)
-	if err != nil {
-		return rep, err
-	}
-	resp, err := client.Do(req)
-	if err != nil {
-		return rep, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return rep, fmt.Errorf("agent answered %s: %s", resp.Status, strings.TrimSpace(string(body)))
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&rep); err != nil {
-		return rep, fmt.Errorf("agent answered with malformed JSON: %w", err)
-	}
-	return rep, nil
+	err := client.New(stateDir).GetJSON(ctx, bypass.APIPath, &rep)
+	return rep, err
 }
 
 // printBypass prints one line per gap, the pod named on its first.

@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/api/client"
 	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 )
@@ -88,7 +88,7 @@ func TestBypassCommandAllWell(t *testing.T) {
 // TestBypassCommandWithoutAgent fails with a hint.
 func TestBypassCommandWithoutAgent(t *testing.T) {
 	_, err := runBypassCmd(t, "--state-dir="+t.TempDir())
-	if !errors.Is(err, errAgentUnreachable) {
+	if !errors.Is(err, client.ErrUnreachable) {
 		t.Errorf("bypass without agent: %v", err)
 	}
 }
@@ -104,7 +104,7 @@ func shortTempDir(t *testing.T) string {
 
 // serveFake answers GET /v1/bypass on the state folder's API socket.
 func serveFake(t *testing.T, stateDir string, rep bypass.Report) {
-	l, err := net.Listen("unix", api.SocketPath(stateDir))
+	l, err := net.Listen("unix", client.SocketPath(stateDir))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,7 +8,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
 )
@@ -16,18 +15,19 @@ import (
 // caCmd rotates the root of a CA folder. The agent picks changes up within
 // --ca-reload-interval.
 func caCmd() *cobra.Command {
-	var stateDir, caDir, trustDomain string
+	var caDir, trustDomain string
+	var stateDir *string
 	dir := func() string {
 		if caDir != "" {
 			return caDir
 		}
-		return filepath.Join(stateDir, "ca")
+		return filepath.Join(*stateDir, "ca")
 	}
 	cmd := &cobra.Command{
 		Use:   "ca",
 		Short: "Rotate the root of the certificate authority (CA folder)",
 	}
-	cmd.PersistentFlags().StringVar(&stateDir, api.StateDirFlag, api.DefaultConfig.StateDir, "State folder of the agent (CA in STATE_DIR/ca)")
+	stateDir = stateDirFlag(cmd, true)
 	cmd.PersistentFlags().StringVar(&caDir, "ca-dir", "", "CA folder, when not STATE_DIR/ca")
 	rotate := &cobra.Command{
 		Use:   "rotate",

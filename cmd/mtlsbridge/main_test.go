@@ -119,7 +119,7 @@ func TestDBCommandsWithoutAgent(t *testing.T) {
 	cmd := rootCmd()
 	cmd.SetArgs([]string{"db", "show", "enrollments", "--state-dir=" + t.TempDir()})
 	err := cmd.Execute()
-	if err == nil || !strings.Contains(err.Error(), "is `mtlsbridge agent` running with the same --state-dir?") {
+	if err == nil || !strings.Contains(err.Error(), "is `mtlsbridge agent` running with the same --state-dir") {
 		t.Fatalf("got %v", err)
 	}
 }

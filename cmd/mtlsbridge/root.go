@@ -3,17 +3,22 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"os"
+	"os/signal"
 	"runtime/debug"
+	"strings"
+	"syscall"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/shell"
 	"github.com/spf13/cobra"
 
 	"github.com/mtlsbridge/mtlsbridge/agent"
-	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/api/client"
+	"github.com/mtlsbridge/mtlsbridge/statedir"
 )
 
 func rootCmd() *cobra.Command {
@@ -35,18 +40,16 @@ func agentCmd() *cobra.Command {
 		Short: "Run the node agent",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			flags := cmd.Flags()
-			if !flags.Changed(shell.ShellSockPathName) {
-				stateDir, _ := flags.GetString(api.StateDirFlag)
-				if err := flags.Set(shell.ShellSockPathName, api.ShellSocketPath(stateDir)); err != nil {
-					return err
-				}
-			}
 			level := slog.LevelInfo
 			if debugLogs {
 				level = slog.LevelDebug
 			}
 			log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+			lock, err := lockStateDir(cmd, log)
+			if err != nil {
+				return err
+			}
+			defer lock.Release()
 			return h.Run(log)
 		},
 	}
@@ -55,16 +58,49 @@ func agentCmd() *cobra.Command {
 	return cmd
 }
 
+// lockStateDir takes the state folder before the hive touches anything in
+// it, waiting (and saying so) while another agent holds it; a signal stops
+// the wait.
+func lockStateDir(cmd *cobra.Command, log *slog.Logger) (*statedir.Lock, error) {
+	dir, err := cmd.Flags().GetString(statedir.Flag)
+	if err != nil {
+		return nil, err
+	}
+	if err := statedir.Prepare(dir); err != nil {
+		return nil, fmt.Errorf("--%s: %w", statedir.Flag, err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	return statedir.LockStateDir(ctx, dir, log)
+}
+
+// stateDirFlag adds --state-dir to a client command.
+func stateDirFlag(cmd *cobra.Command, persistent bool) *string {
+	flags := cmd.Flags()
+	if persistent {
+		flags = cmd.PersistentFlags()
+	}
+	return flags.String(statedir.Flag, statedir.DefaultConfig.StateDir, "State folder of the agent")
+}
+
 func shellCmd() *cobra.Command {
-	cmd := shell.ShellCmd(api.ShellSocketPath(api.DefaultConfig.StateDir), "mtlsbridge> ", nil)
-	stateDir := cmd.Flags().String(api.StateDirFlag, api.DefaultConfig.StateDir, "State folder of the agent")
-	cmd.Short = "Open the agent's hive shell (all script commands: db/show, health, ...)"
-	run := cmd.Run
-	cmd.Run = func(c *cobra.Command, args []string) {
-		if !c.Flags().Changed(shell.ShellSockPathName) {
-			c.Flags().Set(shell.ShellSockPathName, api.ShellSocketPath(*stateDir))
+	cmd := &cobra.Command{
+		Use:   "shell [COMMAND [ARGS...]]",
+		Short: "The agent's read-only shell (db, db/show, db/get, health, redirect/map, help, ...); interactive without a command",
+	}
+	stateDir := stateDirFlag(cmd, false)
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		if len(args) > 0 {
+			return client.Shell(cmd.Context(), *stateDir, cmd.OutOrStdout(), strings.Join(args, " "))
 		}
-		run(c, args)
+		// hive's interactive client retries its dial for a while: fail at
+		// once, as every other command does, when no agent serves.
+		if err := client.CheckShell(cmd.Context(), *stateDir); err != nil {
+			return err
+		}
+		interactive := shell.ShellCmd(client.ShellSocketPath(*stateDir), "mtlsbridge> ", nil)
+		interactive.Run(interactive, nil)
+		return nil
 	}
 	return cmd
 }

@@ -18,6 +18,7 @@ import (
 	"sort"
 
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
+	"github.com/mtlsbridge/mtlsbridge/internal/atomicfile"
 )
 
 // PluginType is the "type" of the entry, and the binary's name.
@@ -135,7 +136,7 @@ func edit(path string, change func([]any) []any) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	return true, WriteAtomic(path, append(out, '\n'), 0o644)
+	return true, atomicfile.Write(path, append(out, '\n'), 0o644)
 }
 
 // CopyBinary installs the plugin binary src as binDir/PluginType, unless
@@ -152,7 +153,7 @@ func CopyBinary(src, binDir string) (bool, error) {
 	if err := os.MkdirAll(binDir, 0o755); err != nil {
 		return false, err
 	}
-	return true, WriteAtomic(dst, want, 0o755)
+	return true, atomicfile.Write(dst, want, 0o755)
 }
 
 // RemoveBinary deletes binDir/PluginType; a missing file is not an error.
@@ -187,27 +188,4 @@ func Uninstall(confDir, binDir string, log io.Writer) error {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
-}
-
-// WriteAtomic writes through a hidden temporary file renamed into place,
-// so that the runtime never reads half a file. The temporary name has no
-// .conf/.conflist/.json suffix: the runtime ignores it.
-func WriteAtomic(path string, data []byte, mode os.FileMode) error {
-	tmp, err := os.CreateTemp(filepath.Dir(path), ".mtlsbridge-tmp-")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(data); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Chmod(mode); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp.Name(), path)
 }

@@ -13,12 +13,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -27,6 +25,8 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/mtlsbridge/mtlsbridge/api/client"
 )
 
 // Defaults of the plugin's configuration.
@@ -177,11 +177,7 @@ func Del(stdin []byte, getenv func(string) string) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodDelete, "http://agent"+ContainerPathPrefix+url.PathEscape(id), nil)
-	if err != nil {
-		return
-	}
-	if resp, err := client(conf.StateDir).Do(req); err == nil {
+	if resp, err := client.New(conf.StateDir).Do(ctx, http.MethodDelete, ContainerPathPrefix+url.PathEscape(id), "", nil); err == nil {
 		resp.Body.Close()
 	}
 }
@@ -256,15 +252,10 @@ func (c *call) ask(wait time.Duration) (Answer, error) {
 	if err != nil {
 		return Answer{}, err
 	}
-	u := "http://agent" + PodPathPrefix + url.PathEscape(c.namespace) + "/" + url.PathEscape(c.name) + "?wait=" + wait.String()
+	path := PodPathPrefix + url.PathEscape(c.namespace) + "/" + url.PathEscape(c.name) + "?wait=" + wait.String()
 	ctx, cancel := context.WithTimeout(context.Background(), wait+5*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, bytes.NewReader(body))
-	if err != nil {
-		return Answer{}, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := client(c.conf.StateDir).Do(req)
+	resp, err := client.New(c.conf.StateDir).Do(ctx, http.MethodPost, path, "application/json", bytes.NewReader(body))
 	if err != nil {
 		return Answer{}, fmt.Errorf("%w: %v", errUnreachable, err)
 	}
@@ -284,16 +275,6 @@ func (c *call) ask(wait time.Duration) (Answer, error) {
 		return Answer{}, fmt.Errorf("decode answer: %w", err)
 	}
 	return ans, nil
-}
-
-// client talks HTTP to api.sock in the state folder.
-func client(stateDir string) *http.Client {
-	sock := filepath.Join(stateDir, "api.sock")
-	return &http.Client{Transport: &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			return (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, "unix", sock)
-		},
-	}}
 }
 
 // Main runs the plugin with the process's environment, stdin and stdout.

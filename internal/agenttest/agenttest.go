@@ -25,7 +25,6 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/mtlsbridge/mtlsbridge/agent"
-	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
@@ -78,8 +77,7 @@ func Start(t testing.TB, manifests string, extra []cell.Cell, flags ...string) *
 	// No BPF: these tests run as root in CI and must not touch the node's
 	// real bpffs; the datapath has tests of its own in network namespaces.
 	args := append([]string{"--source=dir:" + manifests, "--state-dir=" + stateDir, "--node-name=node-a",
-		"--grpc-listen=127.0.0.1:0", "--token-file=" + tokens, "--enable-redirect=false",
-		"--shell-sock-path=" + api.ShellSocketPath(stateDir)}, flags...)
+		"--grpc-listen=127.0.0.1:0", "--token-file=" + tokens, "--enable-redirect=false"}, flags...)
 	if err := fs.Parse(args); err != nil {
 		t.Fatal(err)
 	}

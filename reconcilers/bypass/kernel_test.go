@@ -28,6 +28,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/api/client"
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
@@ -193,7 +194,7 @@ func (a *agent) gauge(t *testing.T) float64 {
 func (a *agent) client() *http.Client {
 	return &http.Client{Timeout: waitTimeout, Transport: &http.Transport{
 		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			return (&net.Dialer{}).DialContext(ctx, "unix", api.SocketPath(a.stateDir))
+			return (&net.Dialer{}).DialContext(ctx, "unix", client.SocketPath(a.stateDir))
 		},
 	}}
 }

@@ -3,6 +3,7 @@
 package redirect
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -13,6 +14,7 @@ import (
 	"github.com/cilium/hive/cell"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/statedir"
 )
 
 // Datapath is what the reconcilers change in the kernel: the entries of
@@ -41,6 +43,7 @@ type bpfDatapath struct {
 	linksDir string
 	netns    *nodeNetns
 	objs     *bpf.Objects
+	lock     *statedir.Lock
 	err      error
 }
 
@@ -53,10 +56,10 @@ func newDatapath(lc cell.Lifecycle, log *slog.Logger, health cell.Health, cfg Co
 	dp := &bpfDatapath{root: cfg.BPFRoot, netns: netns}
 	health = health.NewScope("datapath")
 	lc.Append(cell.Hook{
-		OnStart: func(cell.HookContext) error {
+		OnStart: func(ctx cell.HookContext) error {
 			// Failing here would stop the agent; a node without BPF keeps
 			// the rest of it, and every row says why nothing is steered.
-			if dp.err = dp.load(cfg); dp.err != nil {
+			if dp.err = dp.load(ctx, log); dp.err != nil {
 				log.Warn("BPF redirection unavailable", "error", dp.err)
 				health.Degraded("BPF datapath unavailable", dp.err)
 				return nil
@@ -70,15 +73,23 @@ func newDatapath(lc cell.Lifecycle, log *slog.Logger, health cell.Health, cfg Co
 			if dp.objs != nil {
 				dp.objs.Close()
 			}
+			if dp.lock != nil {
+				dp.lock.Release()
+			}
 			return nil
 		},
 	})
 	return dp
 }
 
-func (dp *bpfDatapath) load(cfg Config) error {
+func (dp *bpfDatapath) load(ctx context.Context, log *slog.Logger) error {
 	var err error
 	if err := bpf.PrepareRoot(dp.root); err != nil {
+		return fmt.Errorf("--bpf-root=%s: %w", dp.root, err)
+	}
+	// Two agents writing one map would undo each other's entries: wait
+	// while another agent (a rolling update's other half) holds it.
+	if dp.lock, err = statedir.LockFolder(ctx, dp.root, "BPF root", log); err != nil {
 		return fmt.Errorf("--bpf-root=%s: %w", dp.root, err)
 	}
 	if dp.linksDir, err = bpf.PinDir(dp.root, "links"); err != nil {
