@@ -10,9 +10,14 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
+	"fmt"
+	"net"
 	"net/url"
 	"os"
 	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -30,6 +35,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TestKubernetesCA runs the CA in Kubernetes mode: its material comes from
@@ -54,13 +60,14 @@ func TestKubernetesCA(t *testing.T) {
 		_, err := kube.CoreV1().ServiceAccounts(sa[0]).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa[1]}}, metav1.CreateOptions{})
 		must(t, err)
 	}
-	agentA := createPodAs(t, kube, "kube-system", "ztunnel-a", "node-a", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "10.0.1.2")
+	// This node's agent connects from its pod's address: loopback here.
+	agentA := createPodAs(t, kube, "kube-system", "ztunnel-a", "node-a", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "127.0.0.1")
 	agentB := createPodAs(t, kube, "kube-system", "ztunnel-b", "node-b", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "10.0.2.2")
 	createPodAs(t, kube, "app", "web", "node-a", "web", nil, "10.0.1.10")
 
 	a := startAgent(t, cfg)
 	waitEnrolled(t, a, "app/web")
-	client := caClient(t, a)
+	client := caClient(t, a, "")
 
 	tokenFor := func(pod *corev1.Pod, audience string) string {
 		tr, err := kube.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(ctx, pod.Spec.ServiceAccountName, &authnv1.TokenRequest{
@@ -72,7 +79,7 @@ func TestKubernetesCA(t *testing.T) {
 		must(t, err)
 		return tr.Status.Token
 	}
-	request := func(token, id string) (*pb.IstioCertificateResponse, error) {
+	requestWith := func(client pb.IstioCertificateServiceClient, token, id string) (*pb.IstioCertificateResponse, error) {
 		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 		must(t, err)
 		u, _ := url.Parse(id)
@@ -82,6 +89,19 @@ func TestKubernetesCA(t *testing.T) {
 		return client.CreateCertificate(ctx, &pb.IstioCertificateRequest{
 			Csr: string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})),
 		})
+	}
+	request := func(token, id string) (*pb.IstioCertificateResponse, error) { return requestWith(client, token, id) }
+	// retrying retries refused reviews (Unavailable), as ztunnel does: the
+	// test spends more distinct tokens than an agent ever holds.
+	retrying := func(token, id string) (*pb.IstioCertificateResponse, error) {
+		for range 20 {
+			resp, err := request(token, id)
+			if status.Code(err) != codes.Unavailable {
+				return resp, err
+			}
+			time.Sleep(250 * time.Millisecond)
+		}
+		return nil, fmt.Errorf("refused for 5 s")
 	}
 
 	const webID = "spiffe://cluster.local/ns/app/sa/web"
@@ -110,6 +130,62 @@ func TestKubernetesCA(t *testing.T) {
 			t.Errorf("%s: got %v, want %s", name, err, tc.code)
 		}
 	}
+
+	// Strangers with junk tokens spend a TokenReview budget of their own,
+	// not the agent's API client's (100 of them delayed the real
+	// certificate by 16.8 s when reviews shared its 5 requests/s), and not
+	// that of this node's mTLS agent, which is served at once.
+	stranger := caClient(t, a, "127.0.0.2")
+	var junk sync.WaitGroup
+	refusedByBudget := atomic.Int32{}
+	for i := range 100 {
+		junk.Go(func() {
+			_, err := requestWith(stranger, fmt.Sprintf("junk-%d", i), webID)
+			if strings.Contains(err.Error(), "too many token reviews") {
+				refusedByBudget.Add(1)
+			}
+		})
+	}
+	fresh := tokenFor(agentA, "istio-ca") // not cached: it needs a review of its own
+	if _, err := request(fresh, webID); err != nil {
+		t.Errorf("this node's agent during a junk-token flood: %v", err)
+	}
+	junk.Wait()
+	if n := refusedByBudget.Load(); n < 90 {
+		t.Errorf("%d of 100 junk tokens at once refused by the review budget, want nearly all", n)
+	}
+
+	// A token stays bound to the pod it was made for: once that pod is
+	// deleted, a new pod of the same name does not inherit it, even while
+	// the review of the token is cached.
+	oldToken := tokenFor(agentA, "istio-ca")
+	if _, err := retrying(oldToken, webID); err != nil {
+		t.Fatalf("agent's token before its pod is replaced: %v", err)
+	}
+	must(t, kube.CoreV1().Pods("kube-system").Delete(ctx, agentA.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}))
+	replaced := createPodAs(t, kube, "kube-system", "ztunnel-a", "node-a", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "127.0.0.1")
+	waitPodUID(t, a, "kube-system/ztunnel-a", string(replaced.UID))
+	if _, err := request(oldToken, webID); status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "gone") {
+		t.Errorf("the deleted pod's token for its namesake: %v, want PermissionDenied", err)
+	}
+	if _, err := retrying(tokenFor(replaced, "istio-ca"), webID); err != nil {
+		t.Errorf("the new pod's own token: %v", err)
+	}
+}
+
+// waitPodUID waits until the agent's pods table shows the pod with uid.
+func waitPodUID(t *testing.T, a *k8sAgent, key, uid string) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if p, _, ok := a.pods.Get(a.db.ReadTxn(), tables.PodByKey(key)); ok && p.UID == uid {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pod %s with uid %s not in the pods table in time", key, uid)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 func createPodAs(t *testing.T, kube kubernetes.Interface, ns, name, node, sa string, labels map[string]string, ip string) *corev1.Pod {
@@ -136,8 +212,9 @@ func waitEnrolled(t *testing.T, a *k8sAgent, key string) {
 	}
 }
 
-// caClient dials the agent's gRPC listener trusting only the bundle it wrote.
-func caClient(t *testing.T, a *k8sAgent) pb.IstioCertificateServiceClient {
+// caClient dials the agent's gRPC listener trusting only the bundle it
+// wrote, from the loopback address from (any when empty).
+func caClient(t *testing.T, a *k8sAgent, from string) pb.IstioCertificateServiceClient {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	addr, err := a.grpc.Addr(ctx)
@@ -155,7 +232,12 @@ func caClient(t *testing.T, a *k8sAgent) pb.IstioCertificateServiceClient {
 	}
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(bundle)
-	conn, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})))
+	dialer := &net.Dialer{}
+	if from != "" {
+		dialer.LocalAddr = &net.TCPAddr{IP: net.ParseIP(from)}
+	}
+	conn, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) { return dialer.DialContext(ctx, "tcp", addr) }))
 	must(t, err)
 	t.Cleanup(func() { conn.Close() })
 	return pb.NewIstioCertificateServiceClient(conn)

@@ -172,6 +172,7 @@ type k8sAgent struct {
 	db          *statedb.DB
 	enrollments statedb.Table[*enrollment.Enrollment]
 	policies    statedb.Table[*tables.Policy]
+	pods        statedb.Table[*tables.Pod]
 	grpc        *grpcserver.Server
 	stateDir    string
 }
@@ -184,8 +185,9 @@ func startAgent(t *testing.T, cfg *rest.Config) *k8sAgent {
 
 	a := &k8sAgent{stateDir: stateDir}
 	h := hive.New(agent.Infrastructure, agent.Cell,
-		cell.Invoke(func(d *statedb.DB, e statedb.Table[*enrollment.Enrollment], p statedb.Table[*tables.Policy], s *grpcserver.Server) {
-			a.db, a.enrollments, a.policies, a.grpc = d, e, p, s
+		cell.Invoke(func(d *statedb.DB, e statedb.Table[*enrollment.Enrollment], p statedb.Table[*tables.Policy],
+			pods statedb.Table[*tables.Pod], s *grpcserver.Server) {
+			a.db, a.enrollments, a.policies, a.pods, a.grpc = d, e, p, pods, s
 		}))
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)

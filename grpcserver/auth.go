@@ -7,18 +7,24 @@ import (
 	"bytes"
 	"context"
 	"crypto/subtle"
+	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 	authnv1 "k8s.io/api/authentication/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
@@ -29,8 +35,9 @@ import (
 type Caller struct {
 	Namespace string
 	Pod       string
-	// ServiceAccount and Node are known from a TokenReview of a bound
-	// token; empty from the token file.
+	// PodUID, ServiceAccount and Node are known from a TokenReview of a
+	// bound token; empty from the token file.
+	PodUID         string
 	ServiceAccount string
 	Node           string
 }
@@ -39,7 +46,9 @@ type Caller struct {
 func (c Caller) Key() string { return c.Namespace + "/" + c.Pod }
 
 // Authenticator decides who calls, and whether they may: only the mTLS
-// agent pod of this node passes. Every refusal is logged and counted.
+// agent pod of this node passes. It runs as the gRPC server's tap handle,
+// on a stream's headers, before the stream exists: nothing a refused
+// caller sends is ever read. Every refusal is logged and counted.
 type Authenticator struct {
 	log       *slog.Logger
 	metrics   *Metrics
@@ -47,6 +56,10 @@ type Authenticator struct {
 	db        *statedb.DB
 	pods      statedb.Table[*tables.Pod]
 	verify    func(ctx context.Context, token string) (Caller, error)
+	// slots bound, per method, the requests of authenticated callers that
+	// may be read at once (a compromised agent pod can send messages up to
+	// the listener's size limit).
+	slots map[string]chan struct{}
 }
 
 type authParams struct {
@@ -59,13 +72,38 @@ type authParams struct {
 	DB        *statedb.DB
 	Pods      statedb.Table[*tables.Pod]
 	Clients   *source.Clients
+	Bounds    []MethodBound `group:"grpc-method-bounds"`
 }
 
-func newAuthenticator(p authParams) *Authenticator {
-	a := &Authenticator{log: p.Log, metrics: p.Metrics, localNode: p.LocalNode, db: p.DB, pods: p.Pods}
+// MethodBound limits how many calls of a method are served at once.
+type MethodBound struct {
+	// Method is the full method name, "/package.Service/Method".
+	Method string
+	// Concurrent calls at most; more are refused with ResourceExhausted
+	// (clients retry).
+	Concurrent int
+}
+
+// MethodBoundOut adds a MethodBound.
+type MethodBoundOut struct {
+	cell.Out
+
+	Bound MethodBound `group:"grpc-method-bounds"`
+}
+
+func newAuthenticator(p authParams) (*Authenticator, error) {
+	a := &Authenticator{log: p.Log, metrics: p.Metrics, localNode: p.LocalNode, db: p.DB, pods: p.Pods,
+		slots: map[string]chan struct{}{}}
+	for _, b := range p.Bounds {
+		a.slots[b.Method] = make(chan struct{}, b.Concurrent)
+	}
 	switch {
 	case p.Clients != nil:
-		a.verify = newReviewCache(tokenReview(p.Clients, p.Config.TokenAudiences)).verify
+		review, err := tokenReview(p.Clients, p.Config, newReviewBudget(budget{p.Config.TokenReviewQPS, p.Config.TokenReviewBurst}, peerBudget, a.isLocalAgent))
+		if err != nil {
+			return nil, err
+		}
+		a.verify = newReviewCache(review).verify
 	case p.Config.TokenFile != "":
 		a.verify = tokenFile(p.Config.TokenFile)
 	default:
@@ -73,28 +111,60 @@ func newAuthenticator(p authParams) *Authenticator {
 			return Caller{}, refusal(codes.Unauthenticated, "no-token-source", "no --token-file configured: no caller can authenticate")
 		}
 	}
-	return a
+	return a, nil
 }
 
-// AuthenticateAgent returns the caller of a request when it presents a valid
-// bearer token of this node's mTLS agent pod. It fails with Unauthenticated
-// (no or bad token) or PermissionDenied (a valid token of another pod).
-func (a *Authenticator) AuthenticateAgent(ctx context.Context) (Caller, error) {
-	caller, err := a.authenticate(ctx)
+// tapTimeout bounds the authentication of one stream (a TokenReview when
+// the token is not cached). gRPC runs the tap in the connection's reader:
+// only that connection waits.
+const tapTimeout = 3 * time.Second
+
+type callerKey struct{}
+
+// Tap implements grpc/tap.ServerInHandle: a stream of a caller that is not
+// this node's mTLS agent is refused from its headers, so its messages are
+// never read (the issue's flood: 64 calls of 15 MB without a token took
+// 2.6 GB). The caller goes into the stream's context (see CallerFrom).
+func (a *Authenticator) Tap(ctx context.Context, info *tap.Info) (context.Context, error) {
+	authCtx, cancel := context.WithTimeout(ctx, tapTimeout)
+	defer cancel()
+	caller, err := a.authenticate(authCtx, info.Header)
 	if err != nil {
 		reason := "error"
-		if r, ok := err.(*refusalError); ok {
+		var r *refusalError
+		if errors.As(err, &r) {
 			reason = r.reason
 		}
 		a.metrics.AuthRefused.WithLabelValues(reason).Inc()
-		a.log.Warn("Refused gRPC caller", "reason", reason, "caller", caller.Key(), "error", err)
-		return caller, err
+		a.log.Warn("Refused gRPC caller", "method", info.FullMethodName, "reason", reason, "caller", caller.Key(), "error", err)
+		return nil, err
 	}
-	return caller, nil
+	if slots, ok := a.slots[info.FullMethodName]; ok {
+		// Never wait here: the calls holding the slots need this
+		// connection's reader to receive their messages.
+		select {
+		case slots <- struct{}{}:
+			// ctx is the stream's: gRPC cancels it when the call ends.
+			context.AfterFunc(ctx, func() { <-slots })
+		default:
+			a.metrics.AuthRefused.WithLabelValues("busy").Inc()
+			return nil, status.Errorf(codes.ResourceExhausted, "%d calls of %s are being served; retry", cap(slots), info.FullMethodName)
+		}
+	}
+	return context.WithValue(ctx, callerKey{}, caller), nil
 }
 
-func (a *Authenticator) authenticate(ctx context.Context) (Caller, error) {
-	token, err := bearerToken(ctx)
+// CallerFrom returns the caller the tap authenticated for a stream, or an
+// Unauthenticated error when none did (a server without the tap).
+func CallerFrom(ctx context.Context) (Caller, error) {
+	if c, ok := ctx.Value(callerKey{}).(Caller); ok {
+		return c, nil
+	}
+	return Caller{}, status.Error(codes.Unauthenticated, "caller not authenticated")
+}
+
+func (a *Authenticator) authenticate(ctx context.Context, md metadata.MD) (Caller, error) {
+	token, err := bearerToken(md)
 	if err != nil {
 		return Caller{}, err
 	}
@@ -106,6 +176,9 @@ func (a *Authenticator) authenticate(ctx context.Context) (Caller, error) {
 	switch {
 	case !found:
 		return caller, refusal(codes.PermissionDenied, "unknown-pod", "pod %s is not known", caller.Key())
+	case caller.PodUID != "" && pod.UID != "" && caller.PodUID != pod.UID:
+		return caller, refusal(codes.PermissionDenied, "deleted-pod", "token of pod %s (uid %s) is bound to a pod that is gone: %s is now uid %s",
+			caller.Key(), caller.PodUID, caller.Key(), pod.UID)
 	case pod.Labels.Get(enrollment.RedirTypeLabel) != enrollment.RedirTypeProxy:
 		return caller, refusal(codes.PermissionDenied, "not-mtls-agent", "pod %s is not an mTLS agent (label %s=%s)",
 			caller.Key(), enrollment.RedirTypeLabel, enrollment.RedirTypeProxy)
@@ -122,8 +195,18 @@ func (a *Authenticator) authenticate(ctx context.Context) (Caller, error) {
 	return caller, nil
 }
 
-func bearerToken(ctx context.Context) (string, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
+// isLocalAgent reports whether an address belongs to an mTLS agent pod of
+// this node: its token reviews have a budget of their own.
+func (a *Authenticator) isLocalAgent(addr netip.Addr) bool {
+	for pod := range a.pods.List(a.db.ReadTxn(), tables.PodsByIP(addr)) {
+		if pod.NodeName == a.localNode.NodeName && pod.Labels.Get(enrollment.RedirTypeLabel) == enrollment.RedirTypeProxy {
+			return true
+		}
+	}
+	return false
+}
+
+func bearerToken(md metadata.MD) (string, error) {
 	values := md.Get("authorization")
 	if len(values) == 0 {
 		return "", refusal(codes.Unauthenticated, "no-token", "no authorization metadata: want \"Bearer TOKEN\"")
@@ -161,14 +244,33 @@ func tokenFile(path string) func(context.Context, string) (Caller, error) {
 // Keys of a bound service account token's TokenReview user extra.
 const (
 	extraPodName  = "authentication.kubernetes.io/pod-name"
+	extraPodUID   = "authentication.kubernetes.io/pod-uid"
 	extraNodeName = "authentication.kubernetes.io/node-name"
 )
 
 // tokenReview asks the API server who a token belongs to. Only tokens bound
-// to a pod are accepted: they name the pod and its node.
-func tokenReview(c *source.Clients, audiences []string) func(context.Context, string) (Caller, error) {
+// to a pod are accepted: they name the pod, its UID and its node. Reviews
+// have a budget of their own (--token-review-qps/--token-review-burst) and
+// a client of their own, so that strangers with junk tokens can neither
+// delay the agent's watches and patches nor wait in line before the real
+// mTLS agent: beyond the budget a review is refused at once.
+func tokenReview(c *source.Clients, cfg Config, budget *reviewBudget) (func(context.Context, string) (Caller, error), error) {
+	restCfg := rest.CopyConfig(c.Config)
+	restCfg.QPS, restCfg.Burst = float32(cfg.TokenReviewQPS), cfg.TokenReviewBurst
+	kube, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		return nil, fmt.Errorf("TokenReview client: %w", err)
+	}
+	return reviewer(kube, cfg.TokenAudiences, budget), nil
+}
+
+// reviewer reviews tokens with kube within budget.
+func reviewer(kube kubernetes.Interface, audiences []string, budget *reviewBudget) func(context.Context, string) (Caller, error) {
 	return func(ctx context.Context, token string) (Caller, error) {
-		review, err := c.Kube.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
+		if err := budget.allow(ctx); err != nil {
+			return Caller{}, err
+		}
+		review, err := kube.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
 			Spec: authnv1.TokenReviewSpec{Token: token, Audiences: audiences},
 		}, metav1.CreateOptions{})
 		if err != nil {
@@ -182,14 +284,16 @@ func tokenReview(c *source.Clients, audiences []string) func(context.Context, st
 			return Caller{}, refusal(codes.PermissionDenied, "not-service-account", "token of %q is not a service account token", review.Status.User.Username)
 		}
 		caller := Caller{Namespace: parts[2], ServiceAccount: parts[3]}
-		if v := review.Status.User.Extra[extraPodName]; len(v) == 1 {
-			caller.Pod = v[0]
-		} else {
+		extra := func(key string) string {
+			if v := review.Status.User.Extra[key]; len(v) == 1 {
+				return v[0]
+			}
+			return ""
+		}
+		if caller.Pod = extra(extraPodName); caller.Pod == "" {
 			return caller, refusal(codes.PermissionDenied, "unbound-token", "token of %s is not bound to a pod", review.Status.User.Username)
 		}
-		if v := review.Status.User.Extra[extraNodeName]; len(v) == 1 {
-			caller.Node = v[0]
-		}
+		caller.PodUID, caller.Node = extra(extraPodUID), extra(extraNodeName)
 		return caller, nil
 	}
 }

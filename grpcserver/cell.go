@@ -46,12 +46,20 @@ type Config struct {
 	TokenAudiences []string
 	// GRPCMaxMessageBytes bounds a received and a sent message.
 	GRPCMaxMessageBytes int
+	// GRPCMaxConnections bounds the connections served at once.
+	GRPCMaxConnections int
+	// TokenReviewQPS and TokenReviewBurst are the budget of TokenReviews.
+	TokenReviewQPS   float64
+	TokenReviewBurst int
 }
 
 var defaultConfig = Config{
 	GRPCListen:          "127.0.0.1:15012",
 	TokenAudiences:      []string{"istio-ca"},
 	GRPCMaxMessageBytes: 16 << 20,
+	GRPCMaxConnections:  64,
+	TokenReviewQPS:      5,
+	TokenReviewBurst:    10,
 }
 
 // Flags implements cell.Flagger.
@@ -61,7 +69,10 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("grpc-key", def.GRPCKey, "Private key (PEM) of --grpc-cert")
 	flags.String("token-file", def.TokenFile, `Folder mode: file of "TOKEN NAMESPACE/POD" lines naming the callers' pods`)
 	flags.StringSlice("token-audiences", def.TokenAudiences, "Kubernetes mode: audiences accepted in TokenReview")
-	flags.Int("grpc-max-message-bytes", def.GRPCMaxMessageBytes, "Largest gRPC message received or sent")
+	flags.Int("grpc-max-message-bytes", def.GRPCMaxMessageBytes, "Largest gRPC message received or sent (xDS reconnects carry every held resource name)")
+	flags.Int("grpc-max-connections", def.GRPCMaxConnections, "Connections the gRPC listener serves at once")
+	flags.Float64("token-review-qps", def.TokenReviewQPS, "Kubernetes mode: TokenReviews per second at most (own budget, beside --kube-api-qps)")
+	flags.Int("token-review-burst", def.TokenReviewBurst, "Kubernetes mode: TokenReviews in a burst at most")
 }
 
 func (c Config) validate() error {
@@ -73,6 +84,12 @@ func (c Config) validate() error {
 	}
 	if c.GRPCMaxMessageBytes < 1<<16 {
 		return fmt.Errorf("--grpc-max-message-bytes=%d: want at least 65536", c.GRPCMaxMessageBytes)
+	}
+	if c.GRPCMaxConnections < 1 {
+		return fmt.Errorf("--grpc-max-connections=%d: want at least 1", c.GRPCMaxConnections)
+	}
+	if c.TokenReviewQPS <= 0 || c.TokenReviewBurst < 1 {
+		return fmt.Errorf("--token-review-qps and --token-review-burst must be positive")
 	}
 	return nil
 }

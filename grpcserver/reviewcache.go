@@ -5,6 +5,7 @@ package grpcserver
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"sync"
 	"time"
 )
@@ -12,8 +13,9 @@ import (
 // reviewCache remembers what the API server said of a token for a short
 // while, so that a client reconnecting in a loop (or hostile) does not turn
 // every stream and certificate request into a TokenReview. Whether the
-// token's pod is still this node's mTLS agent is checked against the tables
-// on every call regardless, so a deleted pod loses access at once.
+// token's pod is still this node's mTLS agent, with the UID the token is
+// bound to, is checked against the tables on every call regardless, so a
+// deleted pod loses access at once, even to a namesake.
 type reviewCache struct {
 	review func(ctx context.Context, token string) (Caller, error)
 	now    func() time.Time
@@ -55,7 +57,8 @@ func (c *reviewCache) verify(ctx context.Context, token string) (Caller, error) 
 	caller, err := c.review(ctx, token)
 	ttl := reviewTTL
 	if err != nil {
-		if r, ok := err.(*refusalError); !ok || r.reason == "tokenreview-failed" {
+		var r *refusalError
+		if !errors.As(err, &r) || r.reason == "tokenreview-failed" || r.reason == "tokenreview-budget" {
 			return caller, err // the API server did not answer: nothing learnt
 		}
 		ttl = refusalTTL

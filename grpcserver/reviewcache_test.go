@@ -5,17 +5,19 @@ package grpcserver
 import (
 	"context"
 	"fmt"
+	"net"
+	"net/netip"
+	"slices"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	authnv1 "k8s.io/api/authentication/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
-
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
 )
 
 // The cache in front of TokenReview: repeated tokens are asked once per
@@ -42,7 +44,7 @@ func TestReviewCache(t *testing.T) {
 		}}, nil
 	})
 	now := time.Unix(1000, 0)
-	c := newReviewCache(tokenReview(&source.Clients{Kube: client}, []string{"istio-ca"}))
+	c := newReviewCache(reviewer(client, []string{"istio-ca"}, newReviewBudget(budget{1e6, 1e6}, budget{1e6, 1e6}, func(netip.Addr) bool { return false })))
 	c.now = func() time.Time { return now }
 	ctx := context.Background()
 
@@ -89,5 +91,29 @@ func TestReviewCache(t *testing.T) {
 	}
 	if n := len(c.entries); n > maxReviews {
 		t.Fatalf("%d cached reviews, want at most %d", n, maxReviews)
+	}
+}
+
+// The review budget: each peer has its own, strangers share the global
+// one, and this node's mTLS agent pods do not spend it.
+func TestReviewBudget(t *testing.T) {
+	agent := netip.MustParseAddr("10.0.1.2")
+	b := newReviewBudget(budget{0, 3}, budget{0, 2}, func(a netip.Addr) bool { return a == agent })
+	from := func(ip string) context.Context {
+		return peer.NewContext(context.Background(), &peer.Peer{Addr: &net.TCPAddr{IP: net.ParseIP(ip), Port: 4242}})
+	}
+	var allowed []string
+	for _, ip := range []string{"192.0.2.1", "192.0.2.1", "192.0.2.1", "192.0.2.2", "192.0.2.3", "10.0.1.2", "10.0.1.2", "10.0.1.2"} {
+		if err := b.allow(from(ip)); err == nil {
+			allowed = append(allowed, ip)
+		} else if status.Code(err) != codes.Unavailable {
+			t.Fatalf("refusal %v, want Unavailable", err)
+		}
+	}
+	// Peer 1 spends its 2; peer 2 takes the last global one; peer 3 finds
+	// none; the agent has its own 2 and never touches the global budget.
+	want := []string{"192.0.2.1", "192.0.2.1", "192.0.2.2", "10.0.1.2", "10.0.1.2"}
+	if !slices.Equal(allowed, want) {
+		t.Errorf("allowed %v, want %v", allowed, want)
 	}
 }

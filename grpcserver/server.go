@@ -12,6 +12,7 @@ import (
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
+	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
@@ -48,12 +49,21 @@ type serverParams struct {
 	Log      *slog.Logger
 	Jobs     job.Registry
 	Health   cell.Health
+	Auth     *Authenticator
 	Services []Service         `group:"grpc-services"`
 	Certs    ServingCertSource `optional:"true"`
 }
 
-// maxConcurrentStreams bounds what one connection can open.
-const maxConcurrentStreams = 64
+// Bounds on what a connection may hold before its caller is known.
+const (
+	// maxConcurrentStreams bounds what one connection can open.
+	maxConcurrentStreams = 64
+	// handshakeTimeout bounds the TLS handshake of a new connection.
+	handshakeTimeout = 10 * time.Second
+	// maxIdle closes a connection without a stream for this long: a
+	// stranger's connections, whose every stream is refused, do not stay.
+	maxIdle = 2 * time.Minute
+)
 
 func newServer(p serverParams) (*Server, error) {
 	if err := p.Config.validate(); err != nil {
@@ -66,7 +76,11 @@ func newServer(p serverParams) (*Server, error) {
 	srv := grpc.NewServer(
 		grpc.Creds(credentials.NewTLS(tlsConfig)),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: keepaliveMinTime, PermitWithoutStream: true}),
-		grpc.KeepaliveParams(keepalive.ServerParameters{Time: keepaliveTime, Timeout: keepaliveTimeout}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: keepaliveTime, Timeout: keepaliveTimeout, MaxConnectionIdle: maxIdle}),
+		// Callers are authenticated from a stream's headers, before any
+		// of its messages is read.
+		grpc.InTapHandle(p.Auth.Tap),
+		grpc.ConnectionTimeout(handshakeTimeout),
 		grpc.MaxRecvMsgSize(p.Config.GRPCMaxMessageBytes),
 		grpc.MaxSendMsgSize(p.Config.GRPCMaxMessageBytes),
 		grpc.MaxConcurrentStreams(maxConcurrentStreams),
@@ -82,6 +96,7 @@ func newServer(p serverParams) (*Server, error) {
 			return fmt.Errorf("--grpc-listen: %w", err)
 		}
 		s.addr = l.Addr()
+		l = netutil.LimitListener(l, p.Config.GRPCMaxConnections)
 		close(s.listening)
 		p.Log.Info("Serving gRPC for the mTLS agent", "address", l.Addr().String())
 		health.OK("serving on " + l.Addr().String())

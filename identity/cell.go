@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
+	pb "istio.io/api/security/v1alpha1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
@@ -100,23 +101,39 @@ type caParams struct {
 	LocalNode    tables.LocalNode
 	Log          *slog.Logger
 	Metrics      *Metrics
-	Auth         *grpcserver.Authenticator
 	Authority    *Authority
 	DB           *statedb.DB
 	Enrollments  statedb.Table[*enrollment.Enrollment]
 	Certificates statedb.RWTable[*Certificate]
 }
 
-func newCAService(p caParams) (grpcserver.ServiceOut, error) {
+// caServiceOut registers the CA on the gRPC listener and bounds how many
+// of its requests are read at once.
+type caServiceOut struct {
+	cell.Out
+
+	Service grpcserver.Service     `group:"grpc-services"`
+	Bound   grpcserver.MethodBound `group:"grpc-method-bounds"`
+}
+
+// concurrentRequests bounds the certificate requests read at once: the
+// listener's message limit is that of xDS (megabytes), a CSR needs
+// kilobytes, and gRPC reads a request before any handler sees it.
+const concurrentRequests = 8
+
+func newCAService(p caParams) (caServiceOut, error) {
 	if err := p.Config.validate(); err != nil {
-		return grpcserver.ServiceOut{}, err
+		return caServiceOut{}, err
 	}
 	s := &caService{
 		cfg: p.Config, trustDomain: p.Enrollment.TrustDomain, localNode: p.LocalNode, log: p.Log,
-		metrics: p.Metrics, auth: p.Auth, authority: p.Authority, db: p.DB,
+		metrics: p.Metrics, authority: p.Authority, db: p.DB,
 		enrollments: p.Enrollments, certificates: p.Certificates,
 	}
-	return grpcserver.ServiceOut{Service: s.register}, nil
+	return caServiceOut{
+		Service: s.register,
+		Bound:   grpcserver.MethodBound{Method: pb.IstioCertificateService_CreateCertificate_FullMethodName, Concurrent: concurrentRequests},
+	}, nil
 }
 
 type loaderParams struct {

@@ -31,7 +31,6 @@ type caService struct {
 	localNode    tables.LocalNode
 	log          *slog.Logger
 	metrics      *Metrics
-	auth         *grpcserver.Authenticator
 	authority    *Authority
 	db           *statedb.DB
 	enrollments  statedb.Table[*enrollment.Enrollment]
@@ -42,10 +41,14 @@ func (s *caService) register(srv *grpc.Server) { pb.RegisterIstioCertificateServ
 
 // CreateCertificate implements pb.IstioCertificateServiceServer.
 func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
-	caller, err := s.auth.AuthenticateAgent(ctx)
+	caller, err := grpcserver.CallerFrom(ctx)
 	if err != nil {
 		s.metrics.Refused.WithLabelValues("unauthenticated").Inc()
 		return nil, err
+	}
+	if len(req.GetCsr()) > maxCSRBytes {
+		s.metrics.Refused.WithLabelValues(ReasonMalformedCSR).Inc()
+		return nil, status.Errorf(codes.InvalidArgument, "%s: csr of %d bytes, a CSR needs at most %d", ReasonMalformedCSR, len(req.GetCsr()), maxCSRBytes)
 	}
 	csr, id, rerr := CheckRequest(req.GetCsr(), req.GetMetadata(), s.trustDomain)
 	if rerr == nil {
@@ -108,6 +111,10 @@ func (s *caService) checkLocalEnrolled(id spiffe.ID) *RequestError {
 	}
 	return refuse(ReasonNotEnrolled, "no enrolled pod on this node holds %s", id)
 }
+
+// maxCSRBytes is more than any CSR ztunnel sends (an ECDSA P-256 CSR with
+// one URI SAN is under 1 KiB; RSA 4096 about 2 KiB).
+const maxCSRBytes = 64 << 10
 
 // ttl bounds a requested validity (seconds; 0 or less means the default).
 func (c Config) ttl(requested int64) time.Duration {

@@ -30,7 +30,6 @@ type serverParams struct {
 	Config    Config
 	Log       *slog.Logger
 	Metrics   *Metrics
-	Auth      *grpcserver.Authenticator
 	DB        *statedb.DB
 	Workloads statedb.Table[*workload.Workload]
 	// Pods and CNIPods (a new sandbox's addresses, before the API has
@@ -43,10 +42,9 @@ type serverParams struct {
 	Node tables.LocalNode `optional:"true"`
 }
 
-// authenticator is the part of grpcserver.Authenticator the server uses.
-type authenticator interface {
-	AuthenticateAgent(ctx context.Context) (grpcserver.Caller, error)
-}
+// authenticator tells who calls: the caller the gRPC server's tap
+// authenticated (grpcserver.CallerFrom).
+type authenticator func(ctx context.Context) (grpcserver.Caller, error)
 
 // server implements the ADS service: delta only.
 type server struct {
@@ -128,7 +126,7 @@ func newServer(p serverParams) (serverOut, error) {
 	if err := p.Config.validate(); err != nil {
 		return serverOut{}, err
 	}
-	s := &server{serverParams: p, auth: p.Auth, acks: newAcks()}
+	s := &server{serverParams: p, auth: grpcserver.CallerFrom, acks: newAcks()}
 	return serverOut{Service: func(srv *grpc.Server) {
 		discovery.RegisterAggregatedDiscoveryServiceServer(srv, s)
 	}, Acks: s.acks}, nil
@@ -143,7 +141,7 @@ func (s *server) StreamAggregatedResources(discovery.AggregatedDiscoveryService_
 // DeltaAggregatedResources serves one authenticated delta stream.
 func (s *server) DeltaAggregatedResources(grpcStream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
 	ctx := grpcStream.Context()
-	caller, err := s.auth.AuthenticateAgent(ctx)
+	caller, err := s.auth(ctx)
 	if err != nil {
 		return err
 	}

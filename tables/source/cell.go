@@ -53,14 +53,21 @@ type Config struct {
 	// Kubeconfig is the kubeconfig file for "k8s"; empty means in-cluster,
 	// else $KUBECONFIG.
 	Kubeconfig string
+	// KubeAPIQPS and KubeAPIBurst bound the agent's requests to the API
+	// server (token reviews have a budget of their own).
+	KubeAPIQPS   float64
+	KubeAPIBurst int
 }
 
-var defaultConfig = Config{Source: "k8s"}
+// Cilium's own defaults for its agent's client.
+var defaultConfig = Config{Source: "k8s", KubeAPIQPS: 10, KubeAPIBurst: 20}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("source", def.Source, `Where objects come from: "k8s" (the Kubernetes API) or "dir:PATH" (a folder of YAML manifests)`)
 	flags.String("kubeconfig", def.Kubeconfig, "kubeconfig file for --source=k8s (default: in-cluster, else $KUBECONFIG)")
+	flags.Float64("kube-api-qps", def.KubeAPIQPS, "Requests per second to the Kubernetes API server at most")
+	flags.Int("kube-api-burst", def.KubeAPIBurst, "Requests to the Kubernetes API server in a burst at most")
 }
 
 // dir returns the manifest folder, or "" in Kubernetes mode.
@@ -96,10 +103,15 @@ func newClients(cfg Config) (*Clients, error) {
 	if _, err := cfg.dir(); err != nil || cfg.Source != "k8s" {
 		return nil, err
 	}
+	if cfg.KubeAPIQPS <= 0 || cfg.KubeAPIBurst < 1 {
+		return nil, fmt.Errorf("--kube-api-qps and --kube-api-burst must be positive")
+	}
 	restCfg, err := restConfig(cfg.Kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes client configuration: %w", err)
 	}
+	restCfg.QPS, restCfg.Burst = float32(cfg.KubeAPIQPS), cfg.KubeAPIBurst
+	restCfg.UserAgent = "mtlsbridge"
 	return NewClients(restCfg)
 }
 

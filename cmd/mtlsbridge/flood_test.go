@@ -1,0 +1,182 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package main
+
+import (
+	"bufio"
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	pb "istio.io/api/security/v1alpha1"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
+	"github.com/mtlsbridge/mtlsbridge/internal/cnitest"
+)
+
+// TestUnauthenticatedFloodIsNotRead reproduces the memory
+// exhaustion: without a token, 3 TLS connections each send 64 concurrent
+// CreateCertificate calls carrying a 15 MB csr (it took the agent from
+// 59 MB to 6 GB). The agent refuses them from their headers, never reads
+// their bodies, and keeps serving the mTLS agent.
+func TestUnauthenticatedFloodIsNotRead(t *testing.T) {
+	bin := filepath.Join(cnitest.Binaries(t), "mtlsbridge")
+	stateDir, err := os.MkdirTemp("", "mtlsb-flood-")
+	must(t, err)
+	t.Cleanup(func() { os.RemoveAll(stateDir) })
+	must(t, os.WriteFile(filepath.Join(stateDir+"-tokens"), []byte(agenttest.TokenAgentA+"\n"), 0o600))
+	t.Cleanup(func() { os.Remove(stateDir + "-tokens") })
+	addr := freeAddr(t)
+
+	logs := &agenttest.Buffer{}
+	agent := exec.Command(bin, "agent", "--source=dir:../../testdata/demo", "--state-dir="+stateDir,
+		"--node-name=node-a", "--enable-redirect=false", "--grpc-listen="+addr, "--token-file="+stateDir+"-tokens")
+	agent.Stdout, agent.Stderr = logs, logs
+	must(t, agent.Start())
+	t.Cleanup(func() { agent.Process.Kill(); agent.Wait() })
+	conn := dialAgent(t, stateDir, addr)
+
+	// The mTLS agent is served before the flood (the tables are ready).
+	token, _, _ := strings.Cut(agenttest.TokenAgentA, " ")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, err := requestCertificate(t, conn, token); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("no certificate before the flood: %v\n%s", err, logs.String())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	before := rss(t, agent.Process.Pid, "VmRSS")
+
+	// The flood: one 15 MB request, encoded once and sent by every call.
+	body, err := proto.Marshal(&pb.IstioCertificateRequest{Csr: strings.Repeat("A", 15<<20)})
+	must(t, err)
+	codec := sameBytes{body}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	codesSeen := map[codes.Code]int{}
+	for range 3 {
+		flood := dialAgent(t, stateDir, addr)
+		for range 64 {
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				err := flood.Invoke(ctx, pb.IstioCertificateService_CreateCertificate_FullMethodName,
+					&pb.IstioCertificateRequest{}, &pb.IstioCertificateResponse{}, grpc.ForceCodecV2(codec))
+				mu.Lock()
+				codesSeen[status.Code(err)]++
+				mu.Unlock()
+			})
+		}
+	}
+	wg.Wait()
+	if codesSeen[codes.Unauthenticated] != 3*64 {
+		t.Errorf("flood answered %v, want 192 Unauthenticated", codesSeen)
+	}
+	peak := rss(t, agent.Process.Pid, "VmHWM")
+	t.Logf("agent RSS before the flood %d MiB, peak %d MiB", before>>20, peak>>20)
+	if grown := peak - before; grown > 64<<20 {
+		t.Errorf("the flood grew the agent's RSS by %d MiB (bodies read before refusing)", grown>>20)
+	}
+	if _, err := requestCertificate(t, conn, token); err != nil {
+		t.Errorf("the mTLS agent is not served after the flood: %v", err)
+	}
+}
+
+// sameBytes is a client codec that sends one encoded message for every
+// call, so that the flood costs the test nothing per call.
+type sameBytes struct{ b []byte }
+
+func (c sameBytes) Marshal(any) (mem.BufferSlice, error) {
+	return mem.BufferSlice{mem.SliceBuffer(c.b)}, nil
+}
+
+func (sameBytes) Unmarshal(data mem.BufferSlice, v any) error {
+	return proto.Unmarshal(data.Materialize(), v.(proto.Message))
+}
+
+func (sameBytes) Name() string { return "proto" }
+
+func requestCertificate(t *testing.T, conn *grpc.ClientConn, token string) (*pb.IstioCertificateResponse, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	must(t, err)
+	u, _ := url.Parse("spiffe://cluster.local/ns/shop/sa/frontend")
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{u}}, key)
+	must(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+	return pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, &pb.IstioCertificateRequest{
+		Csr: string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})),
+	})
+}
+
+// dialAgent opens a connection of its own to the agent's listener,
+// trusting the bundle it writes once its CA is loaded.
+func dialAgent(t *testing.T, stateDir, addr string) *grpc.ClientConn {
+	var bundle []byte
+	for deadline := time.Now().Add(30 * time.Second); bundle == nil; {
+		bundle, _ = os.ReadFile(filepath.Join(stateDir, "ca", "root-cert.pem"))
+		if bundle == nil {
+			if time.Now().After(deadline) {
+				t.Fatal("the agent wrote no trust bundle")
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(bundle)
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})))
+	must(t, err)
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// rss reads a memory figure of /proc/PID/status in bytes: VmRSS now, or
+// VmHWM, the peak.
+func rss(t *testing.T, pid int, field string) int64 {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	must(t, err)
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), field+":"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			must(t, err)
+			return kb << 10
+		}
+	}
+	t.Fatalf("no %s in /proc/%d/status", field, pid)
+	return 0
+}
+
+// freeAddr is a loopback address with a port free a moment ago.
+func freeAddr(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	must(t, err)
+	defer l.Close()
+	return l.Addr().String()
+}
