@@ -4,9 +4,12 @@ package cni
 
 import (
 	"encoding/json"
+	"fmt"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"reflect"
+	"slices"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -68,6 +71,13 @@ func (h *handler) ask(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
+	ips, err := podAddrs(req.IPs)
+	if err != nil {
+		h.Log.Warn("CNI report refused", "pod", key, "container", req.ContainerID, "error", err)
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	req.IPs = ips
 	var wait time.Duration
 	if s := r.URL.Query().Get("wait"); s != "" {
 		d, err := time.ParseDuration(s)
@@ -178,6 +188,22 @@ func (h *handler) record(key string, req plugin.Request, ans plugin.Answer) {
 	wtxn := h.DB.WriteTxn(h.CNIPods)
 	h.CNIPods.Insert(wtxn, row)
 	wtxn.Commit()
+}
+
+// podAddrs checks the addresses of a report and puts them in canonical
+// form, without duplicates.
+func podAddrs(in []netip.Addr) ([]netip.Addr, error) {
+	out := make([]netip.Addr, 0, len(in))
+	for _, a := range in {
+		a, err := tables.PodAddr(a)
+		if err != nil {
+			return nil, fmt.Errorf("ips: %s: %w", a, err)
+		}
+		if !slices.Contains(out, a) {
+			out = append(out, a)
+		}
+	}
+	return out, nil
 }
 
 // sameReport compares two rows but for the time of the report.

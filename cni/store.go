@@ -85,6 +85,10 @@ func (s *store) load() ([]*tables.CNIPod, []error) {
 		case row.ContainerID != id || row.Pod == "":
 			errs = append(errs, fmt.Errorf("%s: holds container %q of pod %q", e.Name(), row.ContainerID, row.Pod))
 		default:
+			if row.IPs, err = podAddrs(row.IPs); err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", e.Name(), err))
+				continue
+			}
 			rows = append(rows, &row)
 		}
 	}

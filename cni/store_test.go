@@ -3,9 +3,11 @@
 package cni
 
 import (
+	"errors"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -67,6 +69,20 @@ func TestValidContainerID(t *testing.T) {
 	for _, id := range []string{"", "..", ".hidden", "a/b", "a b", "-x", strings.Repeat("a", 256)} {
 		if err := validContainerID(id); err == nil {
 			t.Errorf("%q accepted", id)
+		}
+	}
+}
+
+// A report's addresses are checked and put in one spelling before they
+// reach the table (and the redirect map through it).
+func TestPodAddrs(t *testing.T) {
+	got, err := podAddrs([]netip.Addr{netip.MustParseAddr("::ffff:10.1.0.5"), netip.MustParseAddr("10.1.0.5"), netip.MustParseAddr("fd00:1::5")})
+	if err != nil || !slices.Equal(got, []netip.Addr{netip.MustParseAddr("10.1.0.5"), netip.MustParseAddr("fd00:1::5")}) {
+		t.Errorf("podAddrs = %v, %v", got, err)
+	}
+	for _, bad := range []string{"::", "127.0.0.1", "::ffff:0.0.0.0", "ff02::1"} {
+		if _, err := podAddrs([]netip.Addr{netip.MustParseAddr(bad)}); !errors.Is(err, tables.ErrNotPodAddr) {
+			t.Errorf("podAddrs(%s): %v, want ErrNotPodAddr", bad, err)
 		}
 	}
 }

@@ -4,6 +4,7 @@ package tables
 
 import (
 	"strconv"
+	"strings"
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
@@ -24,10 +25,15 @@ type Source struct {
 	// Error is the last problem with the source or one of its objects, ""
 	// when there is none.
 	Error string `json:"error,omitempty"`
+	// Duplicates names the objects of a manifest file that another file
+	// (or the same) defines too, and which definition is used.
+	Duplicates string `json:"duplicates,omitempty"`
 
 	// Decoded are the objects a manifest file provided, kept so that a file
-	// that stops parsing keeps its last good objects. Not shown.
-	Decoded []any `json:"-"`
+	// that stops parsing keeps its last good objects, and Documents the
+	// number of the YAML document each came from. Not shown.
+	Decoded   []any `json:"-"`
+	Documents []int `json:"-"`
 	// Digest identifies the file content Decoded came from. Not shown.
 	Digest string `json:"-"`
 }
@@ -35,7 +41,11 @@ type Source struct {
 func (s *Source) TableHeader() []string { return []string{"Name", "Objects", "Synced", "Error"} }
 
 func (s *Source) TableRow() []string {
-	return []string{s.Name, strconv.Itoa(s.Objects), strconv.FormatBool(s.Synced), orDash(s.Error)}
+	problems := s.Error
+	if s.Duplicates != "" {
+		problems = strings.TrimPrefix(problems+"; "+s.Duplicates, "; ")
+	}
+	return []string{s.Name, strconv.Itoa(s.Objects), strconv.FormatBool(s.Synced), orDash(problems)}
 }
 
 var (

@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"maps"
-	"net/netip"
 	"slices"
 	"strconv"
 	"strings"
@@ -313,7 +312,7 @@ func (st *stream) resolve(txn statedb.ReadTxn, name string) *workload.Workload {
 	if !ok {
 		return nil
 	}
-	ip, err := netip.ParseAddr(ipText)
+	ip, err := tables.ParsePodAddr(ipText)
 	if err != nil {
 		return nil // "namespace/hostname": no services yet
 	}

@@ -3,6 +3,7 @@
 package redirect_test
 
 import (
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
@@ -116,6 +118,49 @@ func TestBadInput(t *testing.T) {
 		_, _, attached := ag.attachments.Get(txn, redirect.AttachmentByDevice(c.a.HostIf))
 		return !entry && !attached
 	})
+}
+
+// TestMappedAddressNeverUnsteers: a pod that is not enrolled claims an
+// enrolled pod's IPv4 address spelled IPv4-mapped (::ffff:a.b.c.d). Both
+// spellings are one key of the redirect map: before addresses were
+// unmapped at every input, the two rows took turns at it, and the enrolled
+// pod's entry was "local" in 12 of 40 passes, its new connections not
+// steered. Now the conflict is one row, the enrolled pod's, in every pass.
+func TestMappedAddressNeverUnsteers(t *testing.T) {
+	c := newCluster(t)
+	c.write(t, manifest{enrollA: true, withAgent: true, imposter: true})
+	ag := c.startAgent(t)
+	ag.waitFor(t, "a's entry done", func(txn statedb.ReadTxn) bool {
+		return ag.redirectIs(txn, c.a.IP4, bpf.KindEnrolled, reconciler.StatusKindDone)
+	})
+	m, err := ebpf.LoadPinnedMap(filepath.Join(c.bpfRoot, "agent", bpf.MapName), &ebpf.LoadPinOptions{ReadOnly: true})
+	must(t, err)
+	defer m.Close()
+	entries := bpf.NewRedirectMap(m)
+	for gen := 1; gen <= 40; gen++ {
+		c.write(t, manifest{enrollA: true, withAgent: true, imposter: true, gen: gen})
+		ag.waitFor(t, fmt.Sprintf("pass %d", gen), func(txn statedb.ReadTxn) bool {
+			n, _, ok := ag.pods.Get(txn, tables.PodByKey("app/n"))
+			return ok && n.Labels.Get("gen") == fmt.Sprintf("g%d", gen)
+		})
+		time.Sleep(60 * time.Millisecond) // one derivation pass and its reconciliation
+		e, ok, err := entries.Lookup(c.a.IP4)
+		if err != nil || !ok || e.Kind != bpf.KindEnrolled || int(e.Ifindex) != c.a.HostIndex {
+			t.Fatalf("pass %d: a's entry %v (present %v, %v), want enrolled on %s", gen, e, ok, err, c.a.HostIf)
+		}
+		txn := ag.db.ReadTxn()
+		if r, _, _ := ag.redirects.Get(txn, redirect.RedirectByAddr(c.a.IP4)); r == nil || r.Pod != "app/a" {
+			t.Fatalf("pass %d: row of %s is %v, want a's", gen, c.a.IP4, r)
+		}
+		for r := range ag.redirects.All(txn) {
+			if r.Addr.Is4In6() {
+				t.Fatalf("pass %d: a row keyed by the mapped spelling %s", gen, r.Addr)
+			}
+		}
+	}
+	if ans := ask(t, c.a, c.r.IP4, 8080); ans.Server != "agent" {
+		t.Errorf("a -> r answered by %s, want the agent", ans)
+	}
 }
 
 // TestDatapathUnavailable: without BPF (here: a --bpf-root that is not on

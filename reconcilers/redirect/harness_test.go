@@ -73,6 +73,10 @@ type manifest struct {
 	withAgent bool
 	withoutN  bool
 	withoutA  bool
+	// imposter adds an opt-out pod claiming a's IPv4 address spelled
+	// IPv4-mapped; gen changes n's labels, so that each write is a change.
+	imposter bool
+	gen      int
 }
 
 // write puts the cluster's objects in the manifest folder, as a rename.
@@ -97,7 +101,11 @@ func (c *cluster) write(t *testing.T, m manifest) {
 		pod("r", "node-b", workload, c.r.IP4, c.r.IP6),
 	}
 	if !m.withoutN {
-		docs = append(docs, pod("n", "node-a", nil, c.n.IP4, c.n.IP6))
+		docs = append(docs, pod("n", "node-a", map[string]string{"gen": fmt.Sprintf("g%d", m.gen)}, c.n.IP4, c.n.IP6))
+	}
+	if m.imposter {
+		mapped := netip.AddrFrom16(c.a.IP4.As16())
+		docs = append(docs, pod("imposter", "node-a", map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeNone}, mapped))
 	}
 	switch {
 	case m.withoutA:

@@ -57,10 +57,12 @@ type Config struct {
 	// server (token reviews have a budget of their own).
 	KubeAPIQPS   float64
 	KubeAPIBurst int
+	// ManifestMaxBytes is the largest manifest file read.
+	ManifestMaxBytes int64
 }
 
 // Cilium's own defaults for its agent's client.
-var defaultConfig = Config{Source: "k8s", KubeAPIQPS: 10, KubeAPIBurst: 20}
+var defaultConfig = Config{Source: "k8s", KubeAPIQPS: 10, KubeAPIBurst: 20, ManifestMaxBytes: 64 << 20}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(flags *pflag.FlagSet) {
@@ -68,6 +70,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("kubeconfig", def.Kubeconfig, "kubeconfig file for --source=k8s (default: in-cluster, else $KUBECONFIG)")
 	flags.Float64("kube-api-qps", def.KubeAPIQPS, "Requests per second to the Kubernetes API server at most")
 	flags.Int("kube-api-burst", def.KubeAPIBurst, "Requests to the Kubernetes API server in a burst at most")
+	flags.Int64("manifest-max-bytes", def.ManifestMaxBytes, "--source=dir: largest manifest file read")
 }
 
 // dir returns the manifest folder, or "" in Kubernetes mode.
@@ -76,6 +79,9 @@ func (c Config) dir() (string, error) {
 	case c.Source == "k8s":
 		return "", nil
 	case strings.HasPrefix(c.Source, "dir:"):
+		if c.ManifestMaxBytes < 1 {
+			return "", fmt.Errorf("--manifest-max-bytes=%d: must be positive", c.ManifestMaxBytes)
+		}
 		dir := strings.TrimPrefix(c.Source, "dir:")
 		if dir == "" {
 			return "", fmt.Errorf("--source=dir: needs a folder, e.g. --source=dir:/etc/mtlsbridge/manifests")
@@ -184,7 +190,7 @@ func startSources(p sourceParams) error {
 		jobs.Add(k8sJobs(p.Log, p.Clients, p.Tables)...)
 		return nil
 	}
-	d := &dirSource{dir: dir, log: p.Log, tables: p.Tables, settle: 50 * time.Millisecond}
+	d := &dirSource{dir: dir, maxBytes: p.Config.ManifestMaxBytes, log: p.Log, tables: p.Tables, settle: 50 * time.Millisecond}
 	txn := p.Tables.DB.WriteTxn(p.Tables.all()...)
 	for _, t := range []interface {
 		RegisterInitializer(statedb.WriteTxn, string) func(statedb.WriteTxn)

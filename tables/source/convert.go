@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -85,9 +86,9 @@ func podFromK8s(p *corev1.Pod) (*tables.Pod, error) {
 	}
 	var errs []error
 	addIP := func(s string) {
-		ip, err := netip.ParseAddr(s)
+		ip, err := tables.ParsePodAddr(s)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("pod %s: bad IP %q", pod.Key(), s))
+			errs = append(errs, fmt.Errorf("pod %s: bad IP %q: %w", pod.Key(), s, err))
 			return
 		}
 		for _, have := range pod.IPs {
@@ -112,8 +113,8 @@ func nodeFromK8s(n *corev1.Node) *tables.Node {
 		if a.Type != corev1.NodeInternalIP {
 			continue
 		}
-		if ip, err := netip.ParseAddr(a.Address); err == nil {
-			node.Addresses = append(node.Addresses, ip)
+		if ip, err := netip.ParseAddr(a.Address); err == nil && !slices.Contains(node.Addresses, ip.Unmap()) {
+			node.Addresses = append(node.Addresses, ip.Unmap())
 		}
 	}
 	return node

@@ -8,14 +8,17 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
-	"sort"
+	"reflect"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -36,6 +39,7 @@ const filePrefix = "file:"
 // makes the tables hold the union of all files' objects.
 type dirSource struct {
 	dir      string
+	maxBytes int64
 	log      *slog.Logger
 	tables   *writeTables
 	settle   time.Duration
@@ -85,9 +89,18 @@ func isManifest(name string) bool {
 	return (ext == ".yaml" || ext == ".yml") && !strings.HasPrefix(filepath.Base(name), ".")
 }
 
-// sync brings the tables in line with the folder in one transaction.
+// manifestFile is what reading one file of the folder gave.
+type manifestFile struct {
+	name    string // sources row name, "file:NAME"
+	content []byte
+	err     error
+}
+
+// sync brings the tables in line with the folder: it reads the files first,
+// outside any transaction (a slow or hostile file then blocks no reader of
+// the tables), and writes the tables in one transaction.
 func (d *dirSource) sync(health cell.Health) {
-	entries, err := os.ReadDir(d.dir)
+	files, err := d.readFolder()
 	if err != nil {
 		// Keep what the tables hold: losing the folder must not unenroll pods.
 		d.log.Error("Reading manifest folder failed; keeping the objects read before", "dir", d.dir, "error", err)
@@ -95,10 +108,8 @@ func (d *dirSource) sync(health cell.Health) {
 		return
 	}
 	present := map[string]bool{}
-	for _, e := range entries {
-		if !e.IsDir() && isManifest(e.Name()) {
-			present[filePrefix+e.Name()] = true
-		}
+	for _, f := range files {
+		present[f.name] = true
 	}
 
 	txn := d.tables.DB.WriteTxn(d.tables.all()...)
@@ -116,20 +127,36 @@ func (d *dirSource) sync(health cell.Health) {
 		srcs.Delete(txn, src)
 	}
 
-	names := make([]string, 0, len(present))
-	for name := range present {
-		names = append(names, name)
+	rows := make([]*tables.Source, len(files))
+	for i, f := range files {
+		old, _, _ := srcs.Get(txn, tables.SourceByName(f.name))
+		rows[i] = d.fileRow(f, old)
 	}
-	sort.Strings(names)
+	// The union of the files, the first definition of an object winning
+	// (files by name, documents in order); each duplicate is reported in
+	// the rows of both files.
 	var set objectSet
-	for _, name := range names {
-		old, _, _ := srcs.Get(txn, tables.SourceByName(name))
-		src := d.readFile(name, old)
-		if src != old {
-			srcs.Insert(txn, src)
+	dups := map[string][]string{}
+	for _, row := range rows {
+		for i, obj := range row.Decoded {
+			if winner, dup := set.add(obj, origin{row.Name, row.Documents[i]}); dup {
+				what := describe(obj)
+				dups[row.Name] = append(dups[row.Name], fmt.Sprintf("document %d: %s is also defined in %s (document %d), which is used",
+					row.Documents[i], what, winner.file, winner.document))
+				dups[winner.file] = append(dups[winner.file], fmt.Sprintf("document %d: %s is defined again in %s (document %d), which is ignored",
+					winner.document, what, row.Name, row.Documents[i]))
+				d.log.Warn("Duplicate manifest object ignored", "object", what, "file", row.Name, "used", winner.file)
+			}
 		}
-		for _, obj := range src.Decoded {
-			set.add(obj)
+	}
+	for _, row := range rows {
+		if len(dups[row.Name]) > 0 {
+			c := *row
+			c.Duplicates = strings.Join(dups[row.Name], "; ")
+			row = &c
+		}
+		if old, _, _ := srcs.Get(txn, tables.SourceByName(row.Name)); old == nil || !reflect.DeepEqual(old, row) {
+			srcs.Insert(txn, row)
 		}
 	}
 	d.tables.replaceAll(txn, &set)
@@ -138,37 +165,94 @@ func (d *dirSource) sync(health cell.Health) {
 	}
 	d.initDone = nil
 	txn.Commit()
-	health.OK(fmt.Sprintf("%d manifest files", len(names)))
+	health.OK(fmt.Sprintf("%d manifest files", len(files)))
 }
 
-// readFile returns the sources row for a file: old itself when the content
-// did not change, the last good objects with an error when it does not
-// parse.
-func (d *dirSource) readFile(name string, old *tables.Source) *tables.Source {
-	path := filepath.Join(d.dir, strings.TrimPrefix(name, filePrefix))
-	content, err := os.ReadFile(path)
-	src := &tables.Source{Name: name, Synced: true}
-	if old != nil {
-		src.Decoded, src.Objects = old.Decoded, old.Objects
-	}
+// readFolder reads the manifest files of the folder, sorted by name. Only
+// regular files are read, only inside the folder (a symlink leading out is
+// refused, one inside, as a ConfigMap volume has, is followed), and only up
+// to --manifest-max-bytes: a FIFO, a device or /etc/shadow linked in must
+// neither hang the agent, fill its memory nor reach its tables and logs.
+func (d *dirSource) readFolder() ([]manifestFile, error) {
+	root, err := os.OpenRoot(d.dir)
 	if err != nil {
-		src.Error = err.Error()
-		d.log.Error("Reading manifest file failed; keeping its objects read before", "file", path, "error", err)
+		return nil, err
+	}
+	defer root.Close()
+	entries, err := fs.ReadDir(root.FS(), ".")
+	if err != nil {
+		return nil, err
+	}
+	var files []manifestFile
+	for _, e := range entries {
+		if e.IsDir() || !isManifest(e.Name()) {
+			continue
+		}
+		content, err := readManifest(root, e.Name(), d.maxBytes)
+		files = append(files, manifestFile{name: filePrefix + e.Name(), content: content, err: err})
+	}
+	return files, nil // ReadDir sorts by name
+}
+
+// Errors of a manifest file that is not read.
+var (
+	errNotRegular = errors.New("not a regular file: not read")
+	errTooLarge   = errors.New("larger than --manifest-max-bytes: not read")
+)
+
+func readManifest(root *os.Root, name string, maxBytes int64) ([]byte, error) {
+	// O_NONBLOCK: opening a FIFO must not wait for a writer.
+	f, err := root.OpenFile(name, os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	info, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !info.Mode().IsRegular() {
+		return nil, fmt.Errorf("%w (%s)", errNotRegular, info.Mode().Type())
+	}
+	if info.Size() > maxBytes {
+		return nil, fmt.Errorf("%w (%d bytes)", errTooLarge, info.Size())
+	}
+	content, err := io.ReadAll(io.LimitReader(f, maxBytes+1))
+	if err == nil && int64(len(content)) > maxBytes {
+		err = errTooLarge
+	}
+	return content, err
+}
+
+// fileRow returns the sources row for a file: old itself when the content
+// did not change, the last good objects with an error when it cannot be
+// read or does not parse.
+func (d *dirSource) fileRow(f manifestFile, old *tables.Source) *tables.Source {
+	file := strings.TrimPrefix(f.name, filePrefix)
+	src := &tables.Source{Name: f.name, Synced: true}
+	if old != nil {
+		src.Decoded, src.Documents, src.Objects = old.Decoded, old.Documents, old.Objects
+	}
+	if f.err != nil {
+		src.Error = f.err.Error()
+		d.log.Error("Manifest file not read; keeping its objects read before", "dir", d.dir, "file", file, "error", f.err)
 		return src
 	}
-	sum := sha256.Sum256(content)
+	sum := sha256.Sum256(f.content)
 	digest := hex.EncodeToString(sum[:])
 	if old != nil && old.Digest == digest {
-		return old
+		c := *old
+		c.Duplicates = "" // found anew by every sync
+		return &c
 	}
 	src.Digest = digest
-	objs, objErrs, err := decodeManifests(content)
+	objs, docs, objErrs, err := decodeManifests(f.content)
 	if err != nil {
 		src.Error = err.Error()
-		d.log.Error("Manifest file does not parse; keeping its objects read before", "file", path, "error", err)
+		d.log.Error("Manifest file does not parse; keeping its objects read before", "dir", d.dir, "file", file, "error", err)
 		return src
 	}
-	src.Decoded, src.Objects = objs, len(objs)
+	src.Decoded, src.Documents, src.Objects = objs, docs, len(objs)
 	if len(objErrs) > 0 {
 		msgs := make([]string, len(objErrs))
 		for i, e := range objErrs {
@@ -176,67 +260,79 @@ func (d *dirSource) readFile(name string, old *tables.Source) *tables.Source {
 		}
 		src.Error = strings.Join(msgs, "; ")
 		for _, e := range objErrs {
-			d.log.Error("Ignoring manifest object", "file", path, "error", e)
+			d.log.Error("Ignoring manifest object", "dir", d.dir, "file", file, "error", e)
 		}
 	}
 	return src
 }
 
 // decodeManifests splits a multi-document YAML file and decodes each object
-// (and each item of a v1 List). A syntax error fails the whole file; an
-// object that cannot be used is reported in objErrs and skipped.
-func decodeManifests(content []byte) (objs []any, objErrs []error, err error) {
+// (and each item of a v1 List), returning the objects with the number of the
+// document each came from. A syntax error fails the whole file; an object
+// that cannot be used is reported in objErrs and skipped. No error quotes
+// the file's content: errors reach logs and the sources table.
+func decodeManifests(content []byte) (objs []any, docs []int, objErrs []error, err error) {
 	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(content)))
-	type document struct {
-		number int
-		object *unstructured.Unstructured
-		err    error // the document is valid YAML but not an object
-	}
-	var docs []document
 	for i := 1; ; i++ {
 		doc, err := reader.Read()
 		if errors.Is(err, io.EOF) {
 			break
 		}
 		if err != nil {
-			return nil, nil, fmt.Errorf("document %d: %w", i, err)
+			return nil, nil, nil, fmt.Errorf("document %d: %w", i, err)
 		}
 		js, err := yaml.YAMLToJSON(doc)
 		if err != nil {
-			return nil, nil, fmt.Errorf("document %d: %w", i, err)
+			return nil, nil, nil, fmt.Errorf("document %d: %w", i, err)
 		}
-		if bytes.Equal(bytes.TrimSpace(js), []byte("null")) {
+		var object any
+		if err := json.Unmarshal(js, &object); err != nil {
+			return nil, nil, nil, fmt.Errorf("document %d: not JSON-compatible YAML", i)
+		}
+		if object == nil {
 			continue // an empty document
 		}
-		u := &unstructured.Unstructured{}
-		if err := u.UnmarshalJSON(js); err != nil {
-			docs = append(docs, document{number: i, err: err})
-			continue
-		}
-		if u.GroupVersionKind() == listGVK {
-			items, err := u.ToList()
-			if err != nil {
-				return nil, nil, fmt.Errorf("document %d: %w", i, err)
-			}
-			for j := range items.Items {
-				docs = append(docs, document{number: i, object: &items.Items[j]})
-			}
-			continue
-		}
-		docs = append(docs, document{number: i, object: u})
-	}
-	for _, doc := range docs {
-		var obj any
-		err := doc.err
-		if err == nil {
-			obj, err = decode(doc.object)
-		}
+		u, err := asObject(object)
 		if err != nil {
-			objErrs = append(objErrs, fmt.Errorf("document %d: %w", doc.number, err))
+			objErrs = append(objErrs, fmt.Errorf("document %d: %w", i, err))
+			continue
 		}
-		if obj != nil {
-			objs = append(objs, obj)
+		items := []unstructured.Unstructured{*u}
+		if u.GroupVersionKind() == listGVK {
+			list, err := u.ToList()
+			if err != nil {
+				return nil, nil, nil, fmt.Errorf("document %d: a List whose items are not objects", i)
+			}
+			items = list.Items
+		}
+		for j := range items {
+			obj, err := decode(&items[j])
+			if err != nil {
+				objErrs = append(objErrs, fmt.Errorf("document %d: %w", i, err))
+			}
+			if obj != nil {
+				objs, docs = append(objs, obj), append(docs, i)
+			}
 		}
 	}
-	return objs, objErrs, nil
+	return objs, docs, objErrs, nil
+}
+
+// errNotObject: a YAML document that is not a Kubernetes object.
+var errNotObject = errors.New("not a Kubernetes object: want a mapping with string apiVersion and kind")
+
+// asObject checks the shape of a Kubernetes object (unstructured's own
+// check would quote the document in its error).
+func asObject(v any) (*unstructured.Unstructured, error) {
+	m, ok := v.(map[string]any)
+	if !ok {
+		return nil, errNotObject
+	}
+	if _, ok := m["apiVersion"].(string); !ok {
+		return nil, errNotObject
+	}
+	if _, ok := m["kind"].(string); !ok {
+		return nil, errNotObject
+	}
+	return &unstructured.Unstructured{Object: m}, nil
 }

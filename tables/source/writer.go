@@ -3,6 +3,7 @@
 package source
 
 import (
+	"fmt"
 	"reflect"
 
 	"github.com/cilium/statedb"
@@ -25,16 +26,36 @@ func (w *writeTables) all() []statedb.TableMeta {
 	return []statedb.TableMeta{w.Pods, w.Namespaces, w.Policies, w.Endpoints, w.Nodes, w.Sources}
 }
 
-// objectSet groups decoded objects by table.
+// objectSet groups decoded objects by table, one per primary key: the
+// first added wins.
 type objectSet struct {
 	pods       []*tables.Pod
 	namespaces []*tables.Namespace
 	policies   []*tables.Policy
 	endpoints  []*tables.Endpoint
 	nodes      []*tables.Node
+	// origins of the objects added, by describe(obj).
+	origins map[string]origin
 }
 
-func (s *objectSet) add(obj any) {
+// origin is where an object was defined: a manifest file's sources row
+// name and the number of the document in it.
+type origin struct {
+	file     string
+	document int
+}
+
+// add adds obj unless an object of the same kind and key is already in the
+// set; then it returns where that one came from, and dup.
+func (s *objectSet) add(obj any, from origin) (winner origin, dup bool) {
+	key := describe(obj)
+	if winner, dup := s.origins[key]; dup {
+		return winner, true
+	}
+	if s.origins == nil {
+		s.origins = map[string]origin{}
+	}
+	s.origins[key] = from
 	switch o := obj.(type) {
 	case *tables.Pod:
 		s.pods = append(s.pods, o)
@@ -47,6 +68,24 @@ func (s *objectSet) add(obj any) {
 	case *tables.Node:
 		s.nodes = append(s.nodes, o)
 	}
+	return origin{}, false
+}
+
+// describe names an object by its kind and table key, e.g. "pod app/web".
+func describe(obj any) string {
+	switch o := obj.(type) {
+	case *tables.Pod:
+		return "pod " + o.Key()
+	case *tables.Namespace:
+		return "namespace " + o.Name
+	case *tables.Policy:
+		return "policy " + o.Key()
+	case *tables.Endpoint:
+		return "ciliumendpoint " + o.Key()
+	case *tables.Node:
+		return "node " + o.Name
+	}
+	return fmt.Sprintf("%T", obj)
 }
 
 // replaceAll makes every table hold exactly the objects of the set.
