@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -57,7 +58,20 @@ func registerStore(p storeParams) error {
 		return nil
 	}})
 
-	p.Jobs.NewGroup(p.Health).Add(job.OneShot("prune-cni-pods", func(ctx context.Context, health cell.Health) error {
+	jobs := p.Jobs.NewGroup(p.Health)
+	// Reports of pods the API never showed (a caller of the socket
+	// inventing pods, a pod deleted before the agent saw it): dropped
+	// after a grace long enough for the API's watch to catch up.
+	jobs.Add(job.Timer("sweep-unknown-cni-pods", func(ctx context.Context) error {
+		if ok, _ := p.Pods.Initialized(p.DB.ReadTxn()); !ok {
+			return nil
+		}
+		wtxn := p.DB.WriteTxn(p.CNIPods)
+		defer wtxn.Commit()
+		p.delete(wtxn, unknownPodRows(wtxn, p.Pods, p.CNIPods, time.Now().Add(-unknownPodGrace)))
+		return nil
+	}, unknownPodGrace/2))
+	jobs.Add(job.OneShot("prune-cni-pods", func(ctx context.Context, health cell.Health) error {
 		if !reconcilers.WaitInitialized(ctx, health, p.DB, p.Pods, p.CNIPods) {
 			return nil
 		}
@@ -94,6 +108,26 @@ func registerStore(p storeParams) error {
 		}, func() string { return fmt.Sprintf("%d containers", p.CNIPods.NumObjects(p.DB.ReadTxn())) })
 	}))
 	return nil
+}
+
+// unknownPodGrace is how long a report of a pod the API does not show (or
+// shows with another UID) is kept.
+const unknownPodGrace = 2 * time.Minute
+
+// unknownPodRows are the rows, last reported before cutoff, whose pod the
+// API does not show, or shows with another UID.
+func unknownPodRows(txn statedb.ReadTxn, pods statedb.Table[*tables.Pod], cniPods statedb.Table[*tables.CNIPod], cutoff time.Time) []*tables.CNIPod {
+	var stale []*tables.CNIPod
+	for row := range cniPods.All(txn) {
+		if !row.Updated.Before(cutoff) {
+			continue
+		}
+		pod, _, ok := pods.Get(txn, tables.PodByKey(row.Pod))
+		if !ok || (row.UID != "" && pod.UID != "" && row.UID != pod.UID) {
+			stale = append(stale, row)
+		}
+	}
+	return stale
 }
 
 func (p storeParams) delete(wtxn statedb.WriteTxn, rows []*tables.CNIPod) {

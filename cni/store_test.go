@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/statedb"
+
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -84,5 +86,43 @@ func TestPodAddrs(t *testing.T) {
 		if _, err := podAddrs([]netip.Addr{netip.MustParseAddr(bad)}); !errors.Is(err, tables.ErrNotPodAddr) {
 			t.Errorf("podAddrs(%s): %v, want ErrNotPodAddr", bad, err)
 		}
+	}
+}
+
+// Reports of pods the API never shows, or shows with another UID (forged
+// by a caller of the socket), go once they are older than the grace.
+func TestUnknownPodRows(t *testing.T) {
+	db := statedb.New()
+	pods, err := tables.NewPodsTable(db)
+	must(t, err)
+	cniPods, err := tables.NewCNIPodsTable(db)
+	must(t, err)
+	now := time.Now()
+	old, fresh := now.Add(-time.Hour), now
+	txn := db.WriteTxn(pods, cniPods)
+	pods.Insert(txn, &tables.Pod{Namespace: "app", Name: "web", UID: "u1"})
+	for _, row := range []*tables.CNIPod{
+		{ContainerID: "known", Pod: "app/web", UID: "u1", Updated: old},
+		{ContainerID: "known-no-uid", Pod: "app/web", Updated: old},
+		{ContainerID: "forged-uid", Pod: "app/web", UID: "u2", Updated: old},
+		{ContainerID: "never-existed", Pod: "app/ghost", Updated: old},
+		{ContainerID: "not-seen-yet", Pod: "app/new", Updated: fresh},
+	} {
+		cniPods.Insert(txn, row)
+	}
+	var got []string
+	for _, row := range unknownPodRows(txn, pods, cniPods, now.Add(-unknownPodGrace)) {
+		got = append(got, row.ContainerID)
+	}
+	slices.Sort(got)
+	if want := []string{"forged-uid", "never-existed"}; !slices.Equal(got, want) {
+		t.Errorf("swept %v, want %v", got, want)
+	}
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
 	}
 }

@@ -26,6 +26,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/source"
@@ -56,6 +57,8 @@ type Authenticator struct {
 	db        *statedb.DB
 	pods      statedb.Table[*tables.Pod]
 	verify    func(ctx context.Context, token string) (Caller, error)
+	// logs throttles the refusal warnings strangers can cause at will.
+	logs *logthrottle.Throttle
 	// slots bound, per method, the requests of authenticated callers that
 	// may be read at once (a compromised agent pod can send messages up to
 	// the listener's size limit).
@@ -93,7 +96,7 @@ type MethodBoundOut struct {
 
 func newAuthenticator(p authParams) (*Authenticator, error) {
 	a := &Authenticator{log: p.Log, metrics: p.Metrics, localNode: p.LocalNode, db: p.DB, pods: p.Pods,
-		slots: map[string]chan struct{}{}}
+		slots: map[string]chan struct{}{}, logs: logthrottle.New(time.Second)}
 	for _, b := range p.Bounds {
 		a.slots[b.Method] = make(chan struct{}, b.Concurrent)
 	}
@@ -136,7 +139,10 @@ func (a *Authenticator) Tap(ctx context.Context, info *tap.Info) (context.Contex
 			reason = r.reason
 		}
 		a.metrics.AuthRefused.WithLabelValues(reason).Inc()
-		a.log.Warn("Refused gRPC caller", "method", info.FullMethodName, "reason", reason, "caller", caller.Key(), "error", err)
+		if suppressed, ok := a.logs.Allow(reason); ok {
+			a.log.Warn("Refused gRPC caller", "method", info.FullMethodName, "reason", reason, "caller", caller.Key(),
+				"peer", peerAddr(ctx), "error", err, "suppressedSinceLast", suppressed)
+		}
 		return nil, err
 	}
 	if slots, ok := a.slots[info.FullMethodName]; ok {

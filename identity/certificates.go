@@ -3,10 +3,13 @@
 package identity
 
 import (
+	"slices"
 	"time"
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // CertificatesTableName is the name of the table of issued certificates.
@@ -40,11 +43,39 @@ var (
 		Unique:     true,
 	}
 
+	certificateIDIndex = statedb.Index[*Certificate, string]{
+		Name:       "spiffe-id",
+		FromObject: func(c *Certificate) index.KeySet { return index.NewKeySet(tables.ExactKey(c.SpiffeID)) },
+		FromKey:    tables.ExactKey,
+		FromString: tables.ExactKeyFromString,
+	}
+
 	// CertificateBySerial queries a certificate by its serial (hex).
 	CertificateBySerial = certificateSerialIndex.Query
+	// CertificatesByID queries the certificates of a SPIFFE ID.
+	CertificatesByID = certificateIDIndex.Query
 )
+
+// keptPerIdentity bounds the rows of one identity: its current certificate
+// and those it rotated from lately. An mTLS agent asking in a loop must
+// not grow the table until the certificates expire.
+const keptPerIdentity = 4
+
+// recordIssued adds an issued certificate, dropping the oldest of its
+// identity beyond keptPerIdentity.
+func recordIssued(txn statedb.WriteTxn, tbl statedb.RWTable[*Certificate], c *Certificate) {
+	tbl.Insert(txn, c)
+	rows := slices.Collect(statedb.ToSeq(tbl.List(txn, CertificatesByID(c.SpiffeID))))
+	if len(rows) <= keptPerIdentity {
+		return
+	}
+	slices.SortFunc(rows, func(a, b *Certificate) int { return a.IssuedAt.Compare(b.IssuedAt) })
+	for _, old := range rows[:len(rows)-keptPerIdentity] {
+		tbl.Delete(txn, old)
+	}
+}
 
 // NewCertificatesTable creates the certificates table.
 func NewCertificatesTable(db *statedb.DB) (statedb.RWTable[*Certificate], error) {
-	return statedb.NewTable(db, CertificatesTableName, certificateSerialIndex)
+	return statedb.NewTable(db, CertificatesTableName, certificateSerialIndex, certificateIDIndex)
 }

@@ -72,11 +72,11 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 		return nil, status.Error(codes.Unavailable, "ca-unavailable: "+err.Error())
 	}
 	txn := s.db.WriteTxn(s.certificates)
-	s.certificates.Insert(txn, &Certificate{
+	recordIssued(txn, s.certificates, &Certificate{
 		Serial:   fmt.Sprintf("%x", issued.Leaf.SerialNumber),
 		SpiffeID: id.String(),
 		Pod:      pod,
-		IssuedAt: issued.Leaf.NotBefore.Add(time.Minute),
+		IssuedAt: time.Now(),
 		NotAfter: issued.Leaf.NotAfter,
 	})
 	txn.Commit()

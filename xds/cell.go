@@ -48,12 +48,16 @@ type Config struct {
 	// XDSMaxResourcesPerResponse splits large pushes (the initial
 	// snapshot) into several responses.
 	XDSMaxResourcesPerResponse int
+	// XDSMaxNames bounds the resource names a stream may hold per type
+	// (subscriptions and initial_resource_versions).
+	XDSMaxNames int
 }
 
 var defaultConfig = Config{
 	XDSCoalesce:                10 * time.Millisecond,
 	XDSSendTimeout:             30 * time.Second,
 	XDSMaxResourcesPerResponse: 1000,
+	XDSMaxNames:                250_000,
 }
 
 // Flags implements cell.Flagger.
@@ -61,6 +65,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Duration("xds-coalesce", def.XDSCoalesce, "Least time between two pushes on an xDS stream (the first change after a quiet period goes at once)")
 	flags.Duration("xds-send-timeout", def.XDSSendTimeout, "Close an xDS stream whose client takes no response for this long")
 	flags.Int("xds-max-resources-per-response", def.XDSMaxResourcesPerResponse, "Split pushes into responses of at most this many resources")
+	flags.Int("xds-max-names", def.XDSMaxNames, "Resource names an xDS stream may hold per type (subscriptions, initial versions); more closes the stream")
 }
 
 func (c Config) validate() error {
@@ -71,6 +76,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("--xds-send-timeout must be positive")
 	case c.XDSMaxResourcesPerResponse < 1:
 		return fmt.Errorf("--xds-max-resources-per-response must be at least 1")
+	case c.XDSMaxNames < 1:
+		return fmt.Errorf("--xds-max-names must be at least 1")
 	}
 	return nil
 }
@@ -80,6 +87,10 @@ type Metrics struct {
 	Streams       prometheus.Gauge
 	ResourcesSent *prometheus.CounterVec
 	Nacks         *prometheus.CounterVec
+	// UnknownTypes counts requests for a type the server does not serve.
+	UnknownTypes prometheus.Counter
+	// Refused counts streams closed for breaking a bound, by reason.
+	Refused *prometheus.CounterVec
 }
 
 func newMetrics(reg *prometheus.Registry) *Metrics {
@@ -94,6 +105,12 @@ func newMetrics(reg *prometheus.Registry) *Metrics {
 			Name: "mtlsbridge_xds_nacks_total", Help: "Responses rejected by clients, by type",
 		}, []string{"type"}),
 	}
-	reg.MustRegister(m.Streams, m.ResourcesSent, m.Nacks)
+	m.UnknownTypes = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "mtlsbridge_xds_unknown_type_requests_total", Help: "Requests for a resource type the server does not serve (ignored)",
+	})
+	m.Refused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "mtlsbridge_xds_streams_refused_total", Help: "Streams closed for breaking a bound, by reason",
+	}, []string{"reason"})
+	reg.MustRegister(m.Streams, m.ResourcesSent, m.Nacks, m.UnknownTypes, m.Refused)
 	return m
 }

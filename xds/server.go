@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
+	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -149,6 +150,7 @@ func (s *server) DeltaAggregatedResources(grpcStream discovery.AggregatedDiscove
 		srv: s, grpc: grpcStream, ctx: ctx,
 		client: &Client{ID: s.nextID.Add(1), Pod: caller.Key(), ConnectedSince: time.Now(), Subscriptions: map[string]string{}},
 		types:  map[string]*typeState{AddressType: {}, AuthorizationType: {}},
+		logs:   logthrottle.New(10 * time.Second),
 	}
 	if p, ok := peer.FromContext(ctx); ok {
 		st.client.Peer = p.Addr.String()

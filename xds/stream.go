@@ -13,8 +13,11 @@ import (
 
 	"github.com/cilium/statedb"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/anypb"
 
+	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -67,6 +70,9 @@ type stream struct {
 	// of them, by nonce, until the client acknowledges it.
 	local   map[string]bool
 	pending map[uint64][]sentWorkload
+
+	// logs throttles the warnings a client can repeat at will.
+	logs *logthrottle.Throttle
 }
 
 // sentWorkload is one of this node's workloads in a response.
@@ -164,13 +170,27 @@ var closedChannel = func() <-chan struct{} { c := make(chan struct{}); close(c);
 func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
 	ts, known := st.types[req.GetTypeUrl()]
 	if !known {
-		st.srv.Log.Warn("xDS request for an unknown type ignored", "stream", st.client.ID, "type", req.GetTypeUrl())
+		st.srv.Metrics.UnknownTypes.Inc()
+		if suppressed, ok := st.logs.Allow("unknown-type"); ok {
+			st.srv.Log.Warn("xDS request for an unknown type ignored", "stream", st.client.ID,
+				"type", truncate(req.GetTypeUrl(), 200), "suppressedSinceLast", suppressed)
+		}
 		return nil
+	}
+	// What a stream holds is bounded: a client subscribing to a million
+	// names that do not exist must not keep them all.
+	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + len(req.GetInitialResourceVersions()); held > st.srv.Config.XDSMaxNames {
+		st.srv.Metrics.Refused.WithLabelValues("too-many-names").Inc()
+		return status.Errorf(codes.ResourceExhausted, "%s: the stream would hold %d resource names, more than --xds-max-names=%d",
+			shortType(req.GetTypeUrl()), held, st.srv.Config.XDSMaxNames)
 	}
 	if nonce := req.GetResponseNonce(); nonce != "" {
 		if detail := req.GetErrorDetail(); detail != nil {
 			st.srv.Metrics.Nacks.WithLabelValues(shortType(req.GetTypeUrl())).Inc()
-			st.srv.Log.Warn("xDS response rejected", "stream", st.client.ID, "nonce", nonce, "error", detail.GetMessage())
+			if suppressed, ok := st.logs.Allow("nack"); ok {
+				st.srv.Log.Warn("xDS response rejected", "stream", st.client.ID, "nonce", nonce,
+					"error", truncate(detail.GetMessage(), 1000), "suppressedSinceLast", suppressed)
+			}
 			st.record(func(c *Client) {
 				c.Nacks++
 				c.LastNack = fmt.Sprintf("%s: %s", nonce, detail.GetMessage())
@@ -503,6 +523,13 @@ func (st *stream) track(nonce uint64, resp *discovery.DeltaDiscoveryResponse) {
 
 // maxPending bounds the responses a stream tracks until acknowledged.
 const maxPending = 64
+
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "..."
+	}
+	return s
+}
 
 // record updates the stream's xds-clients row.
 func (st *stream) record(update func(*Client)) {

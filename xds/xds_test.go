@@ -155,15 +155,7 @@ func decode(t *testing.T, r *discovery.Resource) *workloadapi.Workload {
 }
 
 func startAgent(t *testing.T, extra ...cell.Cell) *agenttest.Agent {
-	manifests := t.TempDir()
-	content, err := os.ReadFile("testdata/cluster.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(manifests, "cluster.yaml"), content, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	return agenttest.Start(t, manifests, extra, "--xds-coalesce=1ms")
+	return agenttest.Start(t, manifestsFrom(t, "testdata/cluster.yaml"), extra, "--xds-coalesce=1ms")
 }
 
 const newPod = `
@@ -504,4 +496,82 @@ func TestStuckClientIsClosed(t *testing.T) {
 	if !strings.Contains(a.Logs.String(), "client took no response for 500ms") {
 		t.Error("no log line saying why the stuck stream was closed")
 	}
+}
+
+// A stream holds a bounded number of names (the issue: 4 requests of 1M
+// unknown names took 962 MB), and requests for types the server does not
+// serve are counted, their warnings rate-limited (10,000 garbage types
+// logged 10,000 lines). Other streams are served meanwhile.
+func TestStreamBounds(t *testing.T) {
+	a := agenttest.Start(t, manifestsFrom(t, "testdata/cluster.yaml"), nil, "--xds-max-names=1000")
+
+	greedy, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	greedy.subscribe(xds.AddressType, nil, true)
+	greedy.recvType(xds.AddressType)
+	names := make([]string, 600)
+	for i := range names {
+		names[i] = fmt.Sprintf("app/nothing-%d", i)
+	}
+	greedy.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: names})
+	greedy.recvType(xds.AddressType) // all 600 removed: they do not exist
+	greedy.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: names[:500]})
+	greedy.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: append(names[:0:0], strings.Split(strings.Repeat("app/more ", 500), " ")[:500]...)})
+	select {
+	case err := <-greedy.errs:
+		if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "--xds-max-names=1000") {
+			t.Fatalf("greedy stream closed with %v, want ResourceExhausted naming the bound", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a stream holding more names than --xds-max-names was not closed")
+	}
+
+	noisy, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 10_000 {
+		noisy.send(&discovery.DeltaDiscoveryRequest{TypeUrl: fmt.Sprintf("type.googleapis.com/garbage.%d", i)})
+	}
+	// Still served: its first real request is answered after the garbage.
+	noisy.subscribe(xds.AddressType, nil, false)
+	if resp := noisy.recvType(xds.AddressType); len(resp.Resources) == 0 {
+		t.Fatal("no workloads after the garbage")
+	}
+	if got := counterValue(t, a, "mtlsbridge_xds_unknown_type_requests_total"); got != 10_000 {
+		t.Errorf("unknown type requests counted %v, want 10000", got)
+	}
+	if lines := strings.Count(a.Logs.String(), "xDS request for an unknown type ignored"); lines > 5 {
+		t.Errorf("%d warning lines for 10,000 garbage requests: not rate-limited", lines)
+	}
+}
+
+// manifestsFrom is a manifest folder holding file.
+func manifestsFrom(t *testing.T, file string) string {
+	manifests := t.TempDir()
+	content, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(manifests, filepath.Base(file)), content, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return manifests
+}
+
+// counterValue reads a counter of the agent's registry.
+func counterValue(t *testing.T, a *agenttest.Agent, name string) float64 {
+	mfs, err := a.Metrics.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	t.Fatalf("no metric %s", name)
+	return 0
 }
