@@ -29,8 +29,8 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // Bounds of every wait in these tests.
@@ -100,7 +100,7 @@ kind: Pod
 metadata: {name: ztunnel, namespace: kube-system, labels: {%s: %s}}
 spec: {nodeName: node-a}
 status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
-`, n.node.Addr4, enrollment.RedirTypeLabel, enrollment.RedirTypeProxy, ztunnel.IP4, ztunnel.IP6))
+`, n.node.Addr4, tables.RedirTypeLabel, tables.RedirTypeProxy, ztunnel.IP4, ztunnel.IP6))
 
 	n.runtime = cnitest.NewRuntime(t, n.node.NS, n.bin, func(sb cnitest.Sandbox) []byte {
 		return fmt.Appendf(nil, `{"cniVersion": "1.0.0", "name": "node", "plugins": [
@@ -222,7 +222,7 @@ func (n *node) assignAddrs(p *pod) {
 func (n *node) writePod(p *pod, withIPs bool) {
 	labels := ""
 	if p.enrolled {
-		labels = enrollment.RedirTypeLabel + ": " + enrollment.RedirTypeWorkload
+		labels = tables.RedirTypeLabel + ": " + tables.RedirTypeWorkload
 	}
 	status := "{phase: Pending}"
 	if withIPs {

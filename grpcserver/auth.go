@@ -27,7 +27,6 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/source"
 )
@@ -185,9 +184,9 @@ func (a *Authenticator) authenticate(ctx context.Context, md metadata.MD) (Calle
 	case caller.PodUID != "" && pod.UID != "" && caller.PodUID != pod.UID:
 		return caller, refusal(codes.PermissionDenied, "deleted-pod", "token of pod %s (uid %s) is bound to a pod that is gone: %s is now uid %s",
 			caller.Key(), caller.PodUID, caller.Key(), pod.UID)
-	case pod.Labels.Get(enrollment.RedirTypeLabel) != enrollment.RedirTypeProxy:
+	case pod.Labels.Get(tables.RedirTypeLabel) != tables.RedirTypeProxy:
 		return caller, refusal(codes.PermissionDenied, "not-mtls-agent", "pod %s is not an mTLS agent (label %s=%s)",
-			caller.Key(), enrollment.RedirTypeLabel, enrollment.RedirTypeProxy)
+			caller.Key(), tables.RedirTypeLabel, tables.RedirTypeProxy)
 	case pod.NodeName != a.localNode.NodeName:
 		return caller, refusal(codes.PermissionDenied, "other-node", "pod %s runs on node %q, not on this node %q",
 			caller.Key(), pod.NodeName, a.localNode.NodeName)
@@ -205,7 +204,7 @@ func (a *Authenticator) authenticate(ctx context.Context, md metadata.MD) (Calle
 // this node: its token reviews have a budget of their own.
 func (a *Authenticator) isLocalAgent(addr netip.Addr) bool {
 	for pod := range a.pods.List(a.db.ReadTxn(), tables.PodsByIP(addr)) {
-		if pod.NodeName == a.localNode.NodeName && pod.Labels.Get(enrollment.RedirTypeLabel) == enrollment.RedirTypeProxy {
+		if pod.NodeName == a.localNode.NodeName && pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeProxy {
 			return true
 		}
 	}

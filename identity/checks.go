@@ -12,7 +12,7 @@ import (
 
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
+	"github.com/mtlsbridge/mtlsbridge/spiffe"
 )
 
 // Reasons a certificate request is refused, as counted in

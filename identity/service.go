@@ -15,8 +15,8 @@ import (
 	pb "istio.io/api/security/v1alpha1"
 
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
-	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/spiffe"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 

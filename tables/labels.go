@@ -12,6 +12,17 @@ import (
 	"github.com/cilium/statedb/index"
 )
 
+// Labels and values that drive enrollment (CFP-32759 and Cilium's ztunnel
+// mode), and mark the node's mTLS agent.
+const (
+	RedirTypeLabel    = "cilium.io/redir-type"
+	RedirTypeWorkload = "workload" // enrolls the pod
+	RedirTypeNone     = "none"     // opts the pod out
+	RedirTypeProxy    = "proxy"    // marks the node's mTLS agent
+
+	NamespaceEnabledLabel = "io.cilium/mtls-enabled"
+)
+
 // Labels are the labels of a Kubernetes object, sorted by key and stored flat
 // as [key0, value0, key1, value1, ...]: a third of the memory of a small map,
 // which matters at 100,000 pods. Never mutated once in a table.

@@ -9,7 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/mtlsbridge/mtlsbridge/identity"
-	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
+	"github.com/mtlsbridge/mtlsbridge/spiffe"
 )
 
 // caCmd rotates the root of a CA folder. The agent picks changes up within

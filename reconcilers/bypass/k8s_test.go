@@ -14,7 +14,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TestReadyTaint: a node provisioned with the taint keeps it while an
@@ -35,7 +35,7 @@ func TestReadyTaint(t *testing.T) {
 	must(t, err)
 	_, err = kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "app"}}, metav1.CreateOptions{})
 	must(t, err)
-	createPod(t, kube, "a", map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeWorkload}, nd.a.IP4, nd.a.IP6)
+	createPod(t, kube, "a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeWorkload}, nd.a.IP4, nd.a.IP6)
 
 	ag := nd.startAgent(t, "--source=k8s", "--kubeconfig="+kubetest.WriteKubeconfig(t, cfg), "--ready-taint="+taintKey+":NoSchedule")
 	tainted := func() bool {
@@ -52,7 +52,7 @@ func TestReadyTaint(t *testing.T) {
 	}
 
 	// Step 2: the mTLS agent pod comes; once a is redirected the taint goes.
-	createPod(t, kube, "ztunnel", map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeProxy}, nd.agent.IP4, nd.agent.IP6)
+	createPod(t, kube, "ztunnel", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, nd.agent.IP4, nd.agent.IP6)
 	deadline := time.Now().Add(waitTimeout)
 	for tainted() {
 		if time.Now().After(deadline) {

@@ -79,11 +79,11 @@ func (nd *node) write(t *testing.T, withAgent bool) {
 	docs := []string{
 		"apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus: {addresses: [{type: InternalIP, address: 192.168.100.1}]}\n",
 		"apiVersion: v1\nkind: Namespace\nmetadata: {name: app}\n",
-		pod("a", enrollment.RedirTypeLabel+": "+enrollment.RedirTypeWorkload, nd.a.IP4, nd.a.IP6),
+		pod("a", tables.RedirTypeLabel+": "+tables.RedirTypeWorkload, nd.a.IP4, nd.a.IP6),
 		pod("n", "", nd.n.IP4, nd.n.IP6),
 	}
 	if withAgent {
-		docs = append(docs, pod("ztunnel", enrollment.RedirTypeLabel+": "+enrollment.RedirTypeProxy, nd.agent.IP4, nd.agent.IP6))
+		docs = append(docs, pod("ztunnel", tables.RedirTypeLabel+": "+tables.RedirTypeProxy, nd.agent.IP4, nd.agent.IP6))
 	}
 	tmp := filepath.Join(nd.manifests, ".tmp")
 	must(t, os.WriteFile(tmp, []byte(strings.Join(docs, "---\n")), 0o644))

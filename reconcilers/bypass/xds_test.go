@@ -19,7 +19,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TestBypassUntilAcked runs the whole agent with its datapath on node-a:
@@ -48,8 +48,8 @@ func TestBypassUntilAcked(t *testing.T) {
 		"apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus: {addresses: [{type: InternalIP, address: 192.168.100.1}]}\n",
 		"apiVersion: v1\nkind: Namespace\nmetadata: {name: app}\n",
 		"apiVersion: v1\nkind: Namespace\nmetadata: {name: kube-system}\n",
-		doc("ztunnel-a", "kube-system", enrollment.RedirTypeLabel+": "+enrollment.RedirTypeProxy, ztunnel.IP4, ztunnel.IP6),
-		doc("a", "app", enrollment.RedirTypeLabel+": "+enrollment.RedirTypeWorkload, a.IP4, a.IP6),
+		doc("ztunnel-a", "kube-system", tables.RedirTypeLabel+": "+tables.RedirTypeProxy, ztunnel.IP4, ztunnel.IP6),
+		doc("a", "app", tables.RedirTypeLabel+": "+tables.RedirTypeWorkload, a.IP4, a.IP6),
 	}
 	must(t, os.WriteFile(filepath.Join(manifests, "cluster.yaml"), []byte(strings.Join(docs, "---\n")), 0o644))
 

@@ -108,7 +108,7 @@ func (w *benchWorld) fill(tb testing.TB) {
 	for i := range benchNamespaces {
 		ns := &tables.Namespace{Name: fmt.Sprintf("ns-%d", i)}
 		if i%4 == 0 {
-			ns.Labels = tables.NewLabels(map[string]string{NamespaceEnabledLabel: "true"})
+			ns.Labels = tables.NewLabels(map[string]string{tables.NamespaceEnabledLabel: "true"})
 		}
 		w.namespaces.Insert(txn, ns)
 	}
@@ -193,7 +193,7 @@ func BenchmarkPodChange(b *testing.B) {
 		// Alternate the opt-out label so every change flips the decision.
 		extra := map[string]string{"extra": "x"}
 		if i%2 == 0 {
-			extra[RedirTypeLabel] = RedirTypeNone
+			extra[tables.RedirTypeLabel] = tables.RedirTypeNone
 		}
 		pod := benchPod(i%benchPods, extra)
 		txn := w.db.WriteTxn(w.pods)

@@ -14,7 +14,7 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
 
-	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
+	"github.com/mtlsbridge/mtlsbridge/spiffe"
 )
 
 // Cell provides the enrollments table and keeps it derived.

@@ -5,18 +5,8 @@ package enrollment
 import (
 	"github.com/cilium/statedb"
 
-	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
+	"github.com/mtlsbridge/mtlsbridge/spiffe"
 	"github.com/mtlsbridge/mtlsbridge/tables"
-)
-
-// Labels and values that drive enrollment (CFP-32759 and Cilium's ztunnel mode).
-const (
-	RedirTypeLabel    = "cilium.io/redir-type"
-	RedirTypeWorkload = "workload" // enrolls the pod
-	RedirTypeNone     = "none"     // opts the pod out
-	RedirTypeProxy    = "proxy"    // marks the node's mTLS agent
-
-	NamespaceEnabledLabel = "io.cilium/mtls-enabled"
 )
 
 // Reasons shown in the enrollments table, by precedence.
@@ -27,7 +17,7 @@ const (
 	ReasonMTLSAgent         = "excluded:mtls-agent"
 	ReasonExcludedNamespace = "excluded:namespace"
 	ReasonOptOut            = "opt-out-label"
-	ReasonWorkloadLabel     = "label:" + RedirTypeLabel + "=" + RedirTypeWorkload
+	ReasonWorkloadLabel     = "label:" + tables.RedirTypeLabel + "=" + tables.RedirTypeWorkload
 	ReasonPolicyPrefix      = "policy:"
 	ReasonNamespaceLabel    = "namespace-label"
 	ReasonNotSelected       = "not-selected"
@@ -54,7 +44,7 @@ func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
 		Pod:       pod.Name,
 		UID:       pod.UID,
 		Node:      pod.NodeName,
-		MTLSAgent: pod.Labels.Get(RedirTypeLabel) == RedirTypeProxy,
+		MTLSAgent: pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeProxy,
 	}
 	ns, _, _ := in.namespaces.Get(in.txn, tables.NamespaceByName(pod.Namespace))
 
@@ -69,14 +59,14 @@ func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
 		e.Reason = ReasonExcludedNamespace
 	case len(pod.IPs) == 0:
 		e.Reason = ReasonNoIP
-	case pod.Labels.Get(RedirTypeLabel) == RedirTypeNone:
+	case pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeNone:
 		e.Reason = ReasonOptOut
-	case pod.Labels.Get(RedirTypeLabel) == RedirTypeWorkload:
+	case pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeWorkload:
 		e.Enrolled, e.Reason = true, ReasonWorkloadLabel
 	default:
 		if p := selectingPolicy(in, pod, ns); p != "" {
 			e.Enrolled, e.Reason, e.Policy = true, ReasonPolicyPrefix+p, p
-		} else if ns != nil && ns.Labels.Get(NamespaceEnabledLabel) == "true" {
+		} else if ns != nil && ns.Labels.Get(tables.NamespaceEnabledLabel) == "true" {
 			e.Enrolled, e.Reason = true, ReasonNamespaceLabel
 		} else {
 			e.Reason = ReasonNotSelected

@@ -281,7 +281,7 @@ func agentRow(scan Scan, scanErr error, agents []*tables.Pod) *Redirect {
 		}
 	}
 	if len(agents) == 0 {
-		r.Problem = fmt.Sprintf("%v (label %s=%s)", ErrNoAgent, enrollment.RedirTypeLabel, enrollment.RedirTypeProxy)
+		r.Problem = fmt.Sprintf("%v (label %s=%s)", ErrNoAgent, tables.RedirTypeLabel, tables.RedirTypeProxy)
 		return r
 	}
 	r.Pod = agents[0].Key()

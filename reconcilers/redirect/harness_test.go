@@ -93,7 +93,7 @@ func (c *cluster) write(t *testing.T, m manifest) {
 		return fmt.Sprintf("apiVersion: v1\nkind: Pod\nmetadata: {name: %q, namespace: app, labels: {%s}}\n"+
 			"spec: {nodeName: %s}\nstatus: {phase: Running, podIPs: [%s]}\n", name, strings.Join(l, ", "), node, strings.Join(a, ", "))
 	}
-	workload := map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeWorkload}
+	workload := map[string]string{tables.RedirTypeLabel: tables.RedirTypeWorkload}
 	docs := []string{
 		"apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus: {addresses: [{type: InternalIP, address: 192.168.100.1}]}\n",
 		"apiVersion: v1\nkind: Namespace\nmetadata: {name: app}\n",
@@ -105,7 +105,7 @@ func (c *cluster) write(t *testing.T, m manifest) {
 	}
 	if m.imposter {
 		mapped := netip.AddrFrom16(c.a.IP4.As16())
-		docs = append(docs, pod("imposter", "node-a", map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeNone}, mapped))
+		docs = append(docs, pod("imposter", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeNone}, mapped))
 	}
 	switch {
 	case m.withoutA:
@@ -115,7 +115,7 @@ func (c *cluster) write(t *testing.T, m manifest) {
 		docs = append(docs, pod("a", "node-a", nil, c.a.IP4, c.a.IP6))
 	}
 	if m.withAgent {
-		docs = append(docs, pod("ztunnel", "node-a", map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeProxy}, c.agent.IP4, c.agent.IP6))
+		docs = append(docs, pod("ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, c.agent.IP4, c.agent.IP6))
 	}
 	tmp := filepath.Join(c.manifests, ".tmp")
 	must(t, os.WriteFile(tmp, []byte(strings.Join(docs, "---\n")), 0o644))

@@ -13,7 +13,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -30,8 +29,8 @@ func TestPublishReady(t *testing.T) {
 
 	_, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "app"}}, metav1.CreateOptions{})
 	must(t, err)
-	workload := map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeWorkload}
-	createPod(t, kube, "ztunnel", "node-a", map[string]string{enrollment.RedirTypeLabel: enrollment.RedirTypeProxy}, c.agent.IP4, c.agent.IP6)
+	workload := map[string]string{tables.RedirTypeLabel: tables.RedirTypeWorkload}
+	createPod(t, kube, "ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, c.agent.IP4, c.agent.IP6)
 	createPod(t, kube, "a", "node-a", workload, c.a.IP4, c.a.IP6)
 	createPod(t, kube, "n", "node-a", nil, c.n.IP4, c.n.IP6)
 	createPod(t, kube, "ghost", "node-a", workload, ghostIP)
