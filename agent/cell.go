@@ -16,11 +16,12 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/metrics"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
 	"github.com/mtlsbridge/mtlsbridge/tables"
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 	"github.com/mtlsbridge/mtlsbridge/xds"
 )
 
@@ -40,9 +41,10 @@ var Infrastructure = cell.Group(
 // Cell is the node agent without its infrastructure.
 var Cell = cell.Group(
 	tables.Cell,     // identity of this node
-	source.Cell,     // Kubernetes or manifest folder into tables
+	ingest.Cell,     // Kubernetes or manifest folder into tables
 	enrollment.Cell, // enrollments: who is in, and why
 	redirect.Cell,   // redirects and attachments: enrolled pods' TCP steered to the mTLS agent in the kernel
+	readiness.Cell,  // ready-annotations: local pods whose redirection is in place, published on them
 	api.Cell,        // local API and read-only shell: table dumps, health, metrics
 	grpcserver.Cell, // TLS gRPC listener for the mTLS agent, caller authentication
 	identity.Cell,   // certificate authority for the mTLS agent

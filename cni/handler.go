@@ -4,6 +4,7 @@ package cni
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -28,7 +29,7 @@ type handlerParams struct {
 	Log         *slog.Logger
 	DB          *statedb.DB
 	Enrollment  enrollment.Config
-	Redirect    redirect.Config
+	Datapath    redirect.Datapath
 	Pods        statedb.Table[*tables.Pod]
 	Namespaces  statedb.Table[*tables.Namespace]
 	Policies    statedb.Table[*tables.Policy]
@@ -154,9 +155,9 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, watches
 	switch {
 	case !e.Enrolled:
 		ans.Redirect = plugin.RedirectNotNeeded
-	case !h.Redirect.EnableRedirect:
-		ans.Redirect, ans.Detail = plugin.RedirectPending, "the datapath is disabled (--enable-redirect=false)"
-	case !redirect.Redirected(txn, h.Redirects, h.Attachments, key, asReported.IPs):
+	case errors.Is(h.Datapath.Err(), redirect.ErrDisabled):
+		ans.Redirect, ans.Detail = plugin.RedirectPending, redirect.ErrDisabled.Error()
+	case redirect.SteeringOf(txn, h.Redirects, h.Attachments, key, asReported.IPs) != redirect.Steered:
 		ans.Redirect, ans.Detail = plugin.RedirectPending, "the redirects and attachments of the reported addresses are not all done"
 	default:
 		ans.Redirect = plugin.RedirectReady

@@ -28,7 +28,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
 	"github.com/mtlsbridge/mtlsbridge/tables"
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
 
 // Caller is the pod a valid token belongs to.
@@ -73,7 +73,8 @@ type authParams struct {
 	LocalNode tables.LocalNode
 	DB        *statedb.DB
 	Pods      statedb.Table[*tables.Pod]
-	Clients   *source.Clients
+	Mode      ingest.Mode
+	Clients   *ingest.Clients
 	Bounds    []MethodBound `group:"grpc-method-bounds"`
 }
 
@@ -100,7 +101,7 @@ func newAuthenticator(p authParams) (*Authenticator, error) {
 		a.slots[b.Method] = make(chan struct{}, b.Concurrent)
 	}
 	switch {
-	case p.Clients != nil:
+	case p.Mode == ingest.Kubernetes:
 		review, err := tokenReview(p.Clients, p.Config, newReviewBudget(budget{p.Config.TokenReviewQPS, p.Config.TokenReviewBurst}, peerBudget, a.isLocalAgent))
 		if err != nil {
 			return nil, err
@@ -259,7 +260,7 @@ const (
 // a client of their own, so that strangers with junk tokens can neither
 // delay the agent's watches and patches nor wait in line before the real
 // mTLS agent: beyond the budget a review is refused at once.
-func tokenReview(c *source.Clients, cfg Config, budget *reviewBudget) (func(context.Context, string) (Caller, error), error) {
+func tokenReview(c *ingest.Clients, cfg Config, budget *reviewBudget) (func(context.Context, string) (Caller, error), error) {
 	restCfg := rest.CopyConfig(c.Config)
 	restCfg.QPS, restCfg.Burst = float32(cfg.TokenReviewQPS), cfg.TokenReviewBurst
 	kube, err := kubernetes.NewForConfig(restCfg)

@@ -23,7 +23,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
 	"github.com/mtlsbridge/mtlsbridge/tables"
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
 
 // Cell runs the certificate authority of the node's mTLS agent.
@@ -147,7 +147,8 @@ type loaderParams struct {
 	Jobs         job.Registry
 	Health       cell.Health
 	Authority    *Authority
-	Clients      *source.Clients
+	Mode         ingest.Mode
+	Clients      *ingest.Clients
 	DB           *statedb.DB
 	Certificates statedb.RWTable[*Certificate]
 }
@@ -164,9 +165,9 @@ func registerLoader(p loaderParams) {
 	switch dir := p.Config.CADir; {
 	case dir != "":
 		l.read = func(context.Context) (*Material, error) {
-			return LoadDir(dir, p.Enrollment.TrustDomain, p.Clients == nil)
+			return LoadDir(dir, p.Enrollment.TrustDomain, p.Mode == ingest.Folder)
 		}
-	case p.Clients == nil:
+	case p.Mode == ingest.Folder:
 		dir = p.StateDir.Path("ca")
 		l.read = func(context.Context) (*Material, error) { return LoadDir(dir, p.Enrollment.TrustDomain, true) }
 	default:

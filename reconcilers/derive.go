@@ -47,31 +47,3 @@ func WaitInitialized(ctx context.Context, health cell.Health, db *statedb.DB, ta
 	}
 	return true
 }
-
-// Sync makes tbl hold exactly the rows of want, keyed by keyOf: rows not
-// wanted are deleted; a wanted row is inserted, after prepare (e.g. setting
-// its reconcile status to pending), unless the table already has one that
-// same accepts, so that readers of the table's changes see real changes
-// only.
-func Sync[K comparable, T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], want map[K]T,
-	keyOf func(T) K, same func(old, new T) bool, prepare func(T)) {
-	var gone []T // collected first: the table is not changed while iterated
-	for row := range tbl.All(txn) {
-		if _, ok := want[keyOf(row)]; !ok {
-			gone = append(gone, row)
-		}
-	}
-	for _, row := range gone {
-		tbl.Delete(txn, row)
-	}
-	idx := tbl.PrimaryIndexer()
-	for _, row := range want {
-		if q, ok := idx.QueryFromObject(row); ok {
-			if old, _, found := tbl.Get(txn, q); found && same(old, row) {
-				continue
-			}
-		}
-		prepare(row)
-		tbl.Insert(txn, row)
-	}
-}

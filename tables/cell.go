@@ -2,7 +2,7 @@
 
 // Package tables defines the statedb tables that hold what mtlsbridge knows
 // of the cluster: pods, namespaces, Cilium policies and endpoints, nodes, and
-// the sources they came from. The sources (package tables/source) are their
+// the sources they came from. The sources (package tables/ingest) are their
 // only writers; everything else reads them. One more input comes from the
 // node itself: cni-pods, what the CNI plugin reported at pod start, written
 // by package cni.

@@ -54,8 +54,8 @@ func (p *CNIPod) TableRow() []string {
 	if len(id) > 12 {
 		id = id[:12]
 	}
-	return []string{id, p.Pod, orDash(strings.Join(ips, ",")), orDash(p.Netns),
-		strconv.FormatBool(p.Enrolled), orDash(p.Reason), orDash(p.Redirect), p.State}
+	return []string{id, p.Pod, Dash(strings.Join(ips, ",")), Dash(p.Netns),
+		strconv.FormatBool(p.Enrolled), Dash(p.Reason), Dash(p.Redirect), p.State}
 }
 
 var (

@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/cilium/statedb/index"
+	"github.com/cilium/statedb/reconciler"
 )
 
 // Labels and values that drive enrollment (CFP-32759 and Cilium's ztunnel
@@ -119,9 +120,19 @@ func exactKeys(ss []string) index.KeySet {
 	return index.NewKeySet(keys[0], keys[1:]...)
 }
 
-func orDash(s string) string {
+// Dash shows an empty cell of a table row as "-".
+func Dash(s string) string {
 	if s == "" {
 		return "-"
 	}
 	return s
+}
+
+// StatusString shows a reconcile status without its age, so that rows
+// compare in scripts.
+func StatusString(s reconciler.Status) string {
+	if s.Kind == reconciler.StatusKindError {
+		return "Error: " + s.GetError()
+	}
+	return s.Kind.String()
 }

@@ -17,7 +17,7 @@ type Namespace struct {
 }
 
 func (n *Namespace) TableHeader() []string { return []string{"Name", "Labels"} }
-func (n *Namespace) TableRow() []string    { return []string{n.Name, orDash(n.Labels.String())} }
+func (n *Namespace) TableRow() []string    { return []string{n.Name, Dash(n.Labels.String())} }
 
 var (
 	namespaceNameIndex = statedb.Index[*Namespace, string]{

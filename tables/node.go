@@ -27,7 +27,7 @@ func (n *Node) TableRow() []string {
 	for i, a := range n.Addresses {
 		addrs[i] = a.String()
 	}
-	return []string{n.Name, orDash(strings.Join(addrs, ",")), orDash(n.Labels.String())}
+	return []string{n.Name, Dash(strings.Join(addrs, ",")), Dash(n.Labels.String())}
 }
 
 var (

@@ -65,8 +65,8 @@ func (p *Pod) TableRow() []string {
 		ips[i] = ip.String()
 	}
 	return []string{
-		p.Key(), orDash(p.NodeName), p.ServiceAccountOrDefault(), orDash(strings.Join(ips, ",")),
-		orDash(p.Phase), strconv.FormatBool(p.HostNetwork), orDash(p.Labels.String()),
+		p.Key(), Dash(p.NodeName), p.ServiceAccountOrDefault(), Dash(strings.Join(ips, ",")),
+		Dash(p.Phase), strconv.FormatBool(p.HostNetwork), Dash(p.Labels.String()),
 	}
 }
 

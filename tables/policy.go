@@ -98,7 +98,7 @@ func (p *Policy) TableRow() []string {
 	for i, s := range p.Selectors {
 		sels[i] = strconv.Quote(s.Text)
 	}
-	return []string{p.Key(), auth, orDash(strings.Join(sels, " ")), orDash(p.Error)}
+	return []string{p.Key(), auth, Dash(strings.Join(sels, " ")), Dash(p.Error)}
 }
 
 // EndpointSelector is a parsed Cilium endpointSelector.

@@ -45,7 +45,7 @@ func (s *Source) TableRow() []string {
 	if s.Duplicates != "" {
 		problems = strings.TrimPrefix(problems+"; "+s.Duplicates, "; ")
 	}
-	return []string{s.Name, strconv.Itoa(s.Objects), strconv.FormatBool(s.Synced), orDash(problems)}
+	return []string{s.Name, strconv.Itoa(s.Objects), strconv.FormatBool(s.Synced), Dash(problems)}
 }
 
 var (

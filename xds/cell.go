@@ -23,8 +23,10 @@ var Cell = cell.Module(
 
 	cell.Config(defaultConfig),
 	// One row per stream, written only by the streams.
-	cell.ProvidePrivate(NewClientsTable),
-	cell.Provide(statedb.RWTable[*Client].ToTable),
+	cell.ProvidePrivate(NewClientsTable, NewAcksTable),
+	// What the mTLS agent holds of this node's workloads: the bypass
+	// check reads it.
+	cell.Provide(statedb.RWTable[*Client].ToTable, statedb.RWTable[*Ack].ToTable),
 	cell.Provide(newMetrics),
 	// Registers the ADS service on the gRPC listener.
 	cell.Provide(newServer),

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"io"
 	"log/slog"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -39,6 +38,7 @@ type serverParams struct {
 	CNIPods        statedb.Table[*tables.CNIPod]
 	WorkloadConfig workload.Config
 	Clients        statedb.RWTable[*Client]
+	Acks           statedb.RWTable[*Ack]
 	// Node limits the acknowledgements kept to this node's workloads.
 	Node tables.LocalNode `optional:"true"`
 }
@@ -53,84 +53,16 @@ type server struct {
 	serverParams
 	auth   authenticator
 	nextID atomic.Uint64
-	acks   *Acks
 }
 
-// serverOut adds the ADS service to the gRPC server, and tells others what
-// the streams acknowledged.
-type serverOut struct {
-	cell.Out
-
-	Service grpcserver.Service `group:"grpc-services"`
-	Acks    *Acks
-}
-
-// Acks remembers, for this node's workloads only, whether the last version
-// each connected mTLS agent acknowledged had HBONE. The bypass check reads
-// it: a pod whose Workload the agent does not hold with HBONE is not
-// reached through the tunnel. A stream's acknowledgements go with it. A
-// nil Acks keeps nothing.
-type Acks struct {
-	mu sync.Mutex
-	// hbone[stream][uid]
-	hbone map[uint64]map[string]bool
-}
-
-func newAcks() *Acks { return &Acks{hbone: map[uint64]map[string]bool{}} }
-
-// HBONE reports whether a connected mTLS agent acknowledged the workload
-// uid (a resource name, see workload.UID) with HBONE. Only this node's
-// workloads are kept; others always report false.
-func (a *Acks) HBONE(uid string) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for _, s := range a.hbone {
-		if s[uid] {
-			return true
-		}
-	}
-	return false
-}
-
-// ack records what a stream acknowledged.
-func (a *Acks) ack(stream uint64, sent []sentWorkload) {
-	if a == nil {
-		return
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	s := a.hbone[stream]
-	if s == nil {
-		s = map[string]bool{}
-		a.hbone[stream] = s
-	}
-	for _, w := range sent {
-		if w.removed {
-			delete(s, w.uid)
-		} else {
-			s[w.uid] = w.hbone
-		}
-	}
-}
-
-// forget drops a closed stream's acknowledgements.
-func (a *Acks) forget(stream uint64) {
-	if a == nil {
-		return
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	delete(a.hbone, stream)
-}
-
-func newServer(p serverParams) (serverOut, error) {
+func newServer(p serverParams) (grpcserver.ServiceOut, error) {
 	if err := p.Config.validate(); err != nil {
-		return serverOut{}, err
+		return grpcserver.ServiceOut{}, err
 	}
-	s := &server{serverParams: p, auth: grpcserver.CallerFrom, acks: newAcks()}
-	return serverOut{Service: func(srv *grpc.Server) {
+	s := &server{serverParams: p, auth: grpcserver.CallerFrom}
+	return grpcserver.ServiceOut{Service: func(srv *grpc.Server) {
 		discovery.RegisterAggregatedDiscoveryServiceServer(srv, s)
-	}, Acks: s.acks}, nil
+	}}, nil
 }
 
 // StreamAggregatedResources implements state-of-the-world ADS, which

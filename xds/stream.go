@@ -70,6 +70,9 @@ type stream struct {
 	// of them, by nonce, until the client acknowledges it.
 	local   map[string]bool
 	pending map[uint64][]sentWorkload
+	// alreadyHeld are this node's workloads the client holds at their
+	// current version, found while building a response.
+	alreadyHeld []sentWorkload
 
 	// logs throttles the warnings a client can repeat at will.
 	logs *logthrottle.Throttle
@@ -320,6 +323,8 @@ func (st *stream) answerAddresses(ts *typeState, first bool, added []string) err
 			resources = append(resources, r)
 		}
 	}
+	st.holds(st.alreadyHeld)
+	st.alreadyHeld = nil
 	return st.send(AddressType, resources, removed)
 }
 
@@ -364,6 +369,11 @@ func (st *stream) offerFrom(alloc *resourceSlab, ts *typeState, w *workload.Work
 		return nil
 	}
 	if v, ok := ts.held[w.UID]; ok && v == w.Version {
+		// The client holds this very version (it said so when it
+		// reconnected): it is acknowledged, though not sent again.
+		if st.isLocal(w) {
+			st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: w.UID, hbone: w.HBONE})
+		}
 		return nil
 	}
 	ts.held[w.UID] = w.Version
@@ -418,6 +428,8 @@ func (st *stream) pushChanges() (<-chan struct{}, error) {
 			resources = append(resources, r)
 		}
 	}
+	st.holds(st.alreadyHeld)
+	st.alreadyHeld = nil
 	if len(resources) == 0 && len(removed) == 0 {
 		return watch, nil
 	}
@@ -471,13 +483,30 @@ func (st *stream) acknowledged(nonce string, ack bool) {
 		return
 	}
 	if sent, ok := st.pending[n]; ok && ack {
-		st.srv.acks.ack(st.client.ID, sent)
+		st.holds(sent)
 	}
 	for k := range st.pending {
 		if k <= n {
 			delete(st.pending, k)
 		}
 	}
+}
+
+// holds records what the client now holds of this node's workloads.
+func (st *stream) holds(sent []sentWorkload) {
+	if len(sent) == 0 {
+		return
+	}
+	txn := st.srv.DB.WriteTxn(st.srv.Acks)
+	for _, w := range sent {
+		row := &Ack{Stream: st.client.ID, UID: w.uid, HBONE: w.hbone}
+		if w.removed {
+			st.srv.Acks.Delete(txn, row)
+		} else {
+			st.srv.Acks.Insert(txn, row)
+		}
+	}
+	txn.Commit()
 }
 
 // isLocal reports whether w is the workload of a pod of this node.
@@ -544,9 +573,11 @@ func (st *stream) record(update func(*Client)) {
 
 // forget removes the stream's row.
 func (st *stream) forget() {
-	st.srv.acks.forget(st.client.ID)
-	txn := st.srv.DB.WriteTxn(st.srv.Clients)
+	txn := st.srv.DB.WriteTxn(st.srv.Clients, st.srv.Acks)
 	st.srv.Clients.Delete(txn, st.client)
+	for a := range st.srv.Acks.List(txn, AcksByStream(st.client.ID)) {
+		st.srv.Acks.Delete(txn, a)
+	}
 	txn.Commit()
 	if st.changes != nil {
 		st.changes.Close()

@@ -27,7 +27,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/tables"
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
 
 // TestReady: the path the whole agent cannot show without a datapath. The
@@ -56,14 +56,14 @@ func TestReady(t *testing.T) {
 	)
 	h := hive.New(
 		agent.Infrastructure,
-		tables.Cell, source.Cell, enrollment.Cell, api.Cell,
+		tables.Cell, ingest.Cell, enrollment.Cell, api.Cell,
 		cell.Module("fake-redirect", "redirects and attachments written by the test",
 			cell.Provide(
 				redirect.NewRedirectsTable,
 				redirect.NewAttachmentsTable,
 				statedb.RWTable[*redirect.Redirect].ToTable,
 				statedb.RWTable[*redirect.Attachment].ToTable,
-				func() redirect.Config { return redirect.Config{EnableRedirect: true} },
+				func() redirect.Datapath { return enabledDatapath{} },
 			),
 		),
 		cni.Cell,
@@ -145,3 +145,9 @@ func TestReady(t *testing.T) {
 		t.Fatalf("error: %+v", e)
 	}
 }
+
+// enabledDatapath is a datapath that is on: the test writes the rows the
+// reconcilers would, and the CNI route only asks whether it is disabled.
+type enabledDatapath struct{ redirect.Datapath }
+
+func (enabledDatapath) Err() error { return nil }

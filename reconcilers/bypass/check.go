@@ -32,13 +32,6 @@ type Kernel interface {
 	Interface(ifindex int) (name string, up bool, err error)
 }
 
-// Acks says what the node's mTLS agent acknowledged over xDS.
-type Acks interface {
-	// HBONE reports whether an mTLS agent connected now has acknowledged
-	// the workload uid with HBONE as its tunnel protocol.
-	HBONE(uid string) bool
-}
-
 // target is one enrolled pod of this node.
 type target struct {
 	Pod string
@@ -59,8 +52,10 @@ type input struct {
 	Scan    redirect.Scan
 	ScanErr error
 	Kernel  Kernel
-	// Acks is nil when the agent serves no xDS.
-	Acks Acks
+	// Acks reports whether an mTLS agent connected now holds the
+	// workload uid with HBONE as its tunnel protocol; nil when the agent
+	// serves no xDS.
+	Acks func(uid string) bool
 }
 
 // Gap reasons that tests and scripts match on. The reasons built with
@@ -135,7 +130,7 @@ func check(in input) []*Bypass {
 			gaps = append(gaps, linkGaps(in.Kernel, dev, devices[dev])...)
 		}
 		gaps = append(gaps, agentGaps...)
-		if in.Acks != nil && !in.Acks.HBONE(t.UID) {
+		if in.Acks != nil && !in.Acks(t.UID) {
 			gaps = append(gaps, GapNotAcked)
 		}
 		rows = append(rows, row(in.Now, t.Pod, gaps))

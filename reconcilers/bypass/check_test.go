@@ -75,7 +75,7 @@ func good() input {
 			},
 			ifaces: map[int]bool{3: true},
 		},
-		Acks: fakeAcks{"a": true, "b": true},
+		Acks: fakeAcks{"a": true, "b": true}.HBONE,
 	}
 }
 
@@ -120,12 +120,12 @@ func TestCheck(t *testing.T) {
 		{"agent entry missing", func(in *input) { delete(in.Kernel.(*fakeKernel).entries, bpf.AgentKey) }, []string{GapAgentMissing}, false},
 		{"agent interface gone", func(in *input) { delete(in.Kernel.(*fakeKernel).ifaces, 3) }, []string{GapAgentGone + ": ifindex 3"}, false},
 		{"agent interface down", func(in *input) { in.Kernel.(*fakeKernel).ifaces[3] = false }, []string{GapAgentDown + ": if3"}, false},
-		{"not acknowledged", func(in *input) { in.Acks = fakeAcks{"b": true} }, []string{GapNotAcked}, true},
+		{"not acknowledged", func(in *input) { in.Acks = fakeAcks{"b": true}.HBONE }, []string{GapNotAcked}, true},
 		{"no xDS in the agent: nothing to acknowledge", func(in *input) { in.Acks = nil }, nil, true},
 		{"several gaps at once", func(in *input) {
 			delete(in.Kernel.(*fakeKernel).entries, ipA)
 			delete(in.Kernel.(*fakeKernel).links, "lxca")
-			in.Acks = fakeAcks{"b": true}
+			in.Acks = fakeAcks{"b": true}.HBONE
 		}, []string{GapEntryMissing, GapNotAttached, GapNotAcked}, true},
 	}
 	for _, tt := range tests {

@@ -15,7 +15,6 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/vishvananda/netns"
 
 	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers"
@@ -48,12 +47,13 @@ type checkerParams struct {
 	CNIPods     statedb.Table[*tables.CNIPod]
 	Enrollments statedb.Table[*enrollment.Enrollment]
 	Table       statedb.RWTable[*Bypass]
-	Redirect    redirect.Config
+	Datapath    redirect.Datapath
 	Interfaces  redirect.Interfaces
+	Kernel      *redirect.PinnedState
 	// Without xDS in the hive there is nothing to acknowledge.
-	Acks           *xds.Acks            `optional:"true"`
-	WorkloadConfig workload.Config      `optional:"true"`
-	Metrics        *prometheus.Registry `optional:"true"`
+	Acks           statedb.Table[*xds.Ack] `optional:"true"`
+	WorkloadConfig workload.Config         `optional:"true"`
+	Metrics        *prometheus.Registry    `optional:"true"`
 }
 
 // Checker runs the check and keeps the bypass table and the gauge.
@@ -71,19 +71,10 @@ type Checker struct {
 }
 
 func newChecker(p checkerParams) (*Checker, error) {
-	k := &pinnedKernel{root: p.Redirect.BPFRoot, netns: netns.None()}
-	if p.Redirect.NodeNetns != "" && p.Redirect.EnableRedirect {
-		h, err := netns.GetFromPath(p.Redirect.NodeNetns)
-		if err != nil {
-			return nil, fmt.Errorf("--node-netns=%s: %w", p.Redirect.NodeNetns, err)
-		}
-		k.netns = h
-		p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { return h.Close() }})
-	}
 	wtxn := p.DB.WriteTxn(p.Table)
 	initDone := p.Table.RegisterInitializer(wtxn, "datapath-in-place")
 	wtxn.Commit()
-	c := &Checker{p: p, kernel: k, initDone: initDone, ready: make(chan struct{}), gauge: prometheus.NewGauge(prometheus.GaugeOpts{
+	c := &Checker{p: p, kernel: p.Kernel, initDone: initDone, ready: make(chan struct{}), gauge: prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "mtlsbridge_bypassing_pods",
 		Help: "Enrolled pods of this node whose TCP may bypass the mTLS agent, at the last check",
 	})}
@@ -109,12 +100,12 @@ func (c *Checker) Check() ([]*Bypass, error) {
 		}
 	}
 	in := input{Now: time.Now(), Kernel: c.kernel}
-	if !c.p.Redirect.EnableRedirect {
+	if errors.Is(c.p.Datapath.Err(), redirect.ErrDisabled) {
 		in.Disabled = redirect.ErrDisabled
 	}
 	clusterID := c.p.WorkloadConfig.ClusterID
 	if c.p.Acks != nil {
-		in.Acks = c.p.Acks
+		in.Acks = func(uid string) bool { return xds.HoldsHBONE(txn, c.p.Acks, uid) }
 	}
 	for e := range c.p.Enrollments.List(txn, enrollment.ByNode(c.p.Node.NodeName)) {
 		if !e.Enrolled || e.MTLSAgent {

@@ -31,11 +31,13 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/api/client"
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
+	"github.com/mtlsbridge/mtlsbridge/metrics"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/statedir"
 	"github.com/mtlsbridge/mtlsbridge/tables"
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
 
 // waitTimeout bounds every wait of these tests.
@@ -105,7 +107,7 @@ func (nd *node) startAgent(t *testing.T, extraFlags ...string) *agent {
 	a := &agent{stateDir: t.TempDir()}
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		tables.Cell, source.Cell, enrollment.Cell, redirect.Cell, api.Cell, bypass.Cell,
+		metrics.Cell, statedir.Cell, tables.Cell, ingest.Cell, enrollment.Cell, redirect.Cell, api.Cell, bypass.Cell,
 		cell.Invoke(func(c *bypass.Checker, tbl statedb.Table[*bypass.Bypass], db *statedb.DB, reg *prometheus.Registry) {
 			a.checker, a.table, a.db, a.metrics = c, tbl, db, reg
 		}),

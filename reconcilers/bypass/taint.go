@@ -18,7 +18,7 @@ import (
 	"k8s.io/client-go/util/retry"
 
 	"github.com/mtlsbridge/mtlsbridge/tables"
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
 
 // ErrTaintNeedsKubernetes: --ready-taint is set without --source=k8s.
@@ -76,7 +76,8 @@ type taintParams struct {
 	Checker *Checker
 	Jobs    job.Group
 	Log     *slog.Logger
-	Clients *source.Clients `optional:"true"`
+	Mode    ingest.Mode     `optional:"true"`
+	Clients *ingest.Clients `optional:"true"`
 }
 
 // registerTaintRemoval removes --ready-taint from this node once the
@@ -90,7 +91,7 @@ func registerTaintRemoval(p taintParams) error {
 	if err != nil {
 		return err
 	}
-	if p.Clients == nil {
+	if p.Mode != ingest.Kubernetes {
 		return ErrTaintNeedsKubernetes
 	}
 	p.Jobs.Add(job.OneShot("remove-ready-taint", func(ctx context.Context, health cell.Health) error {

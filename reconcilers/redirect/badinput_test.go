@@ -26,7 +26,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/tables"
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
 
 // rowError is the error in the status of a row, "" if it has none.
@@ -189,7 +189,7 @@ status: {phase: Running, podIPs: [{ip: 192.0.2.11}]}
 	)
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		tables.Cell, source.Cell, enrollment.Cell, redirect.Cell,
+		tables.Cell, ingest.Cell, enrollment.Cell, redirect.Cell,
 		cell.Invoke(func(d *statedb.DB, r statedb.Table[*redirect.Redirect], p statedb.Table[*tables.Pod]) {
 			db, redirects, pods = d, r, p
 		}),

@@ -24,40 +24,37 @@ var Cell = cell.Module(
 	"redirect",
 	"Enrolled pods TCP steered to the node mTLS agent in the kernel",
 
-	// The namespace of the node's devices, opened once for netlink and
-	// TCX attachment.
-	cell.ProvidePrivate(newNodeNetns),
-	// The kernel side: BPF objects pinned under --bpf-root, and netlink.
-	// Tests of the derivation and the reconcilers provide their own and use
-	// Core.
+	// The namespace of the node's devices, opened once for netlink, TCX
+	// attachment and the bypass check's reads.
+	cell.Provide(newNodeNetns),
+	// The kernel side: BPF objects pinned under --bpf-root, and netlink;
+	// with --enable-redirect=false, stand-ins that touch nothing. Tests of
+	// the derivation and the reconcilers provide their own and use Core.
 	cell.Provide(newDatapath, newNetlinkInterfaces),
+	// The pinned state as it is, read anew at each call (the bypass check).
+	cell.Provide(newPinnedState),
 	Core,
 )
 
 // Core is the cell without the kernel side: configuration, tables,
-// derivation, reconcilers and annotations. It needs a Datapath and
-// Interfaces.
+// derivation and reconcilers. It needs a Datapath and Interfaces.
 var Core = cell.Group(
 	cell.Config(defaultConfig),
 	// The module's jobs report to its own health.
 	cell.ProvidePrivate(newJobGroup),
 	// The derivation is the only writer of the tables, besides the
 	// reconcilers' status updates.
-	cell.ProvidePrivate(NewRedirectsTable, NewAttachmentsTable, NewAnnotationsTable),
-	// Everyone else reads them: db show, the annotation publisher, xDS.
+	cell.ProvidePrivate(NewRedirectsTable, NewAttachmentsTable),
+	// Everyone else reads them: db show, readiness, the CNI route.
 	cell.Provide(
 		statedb.RWTable[*Redirect].ToTable,
 		statedb.RWTable[*Attachment].ToTable,
-		statedb.RWTable[*ReadyAnnotation].ToTable,
 	),
 	// Tables of desired state, from enrollments, pods, the node and the
-	// interfaces.
+	// interfaces; without a datapath, they say what would be steered.
 	cell.Invoke(registerDerivation),
 	// Desired state into the map and onto the devices.
 	cell.Invoke(registerReconcilers),
-	// In Kubernetes mode, annotation mtlsbridge.io/redirect=ready on the
-	// local pods whose redirection is in place.
-	cell.Invoke(registerAnnotations),
 	// redirect/map and redirect/attached: the kernel's view, for the shell.
 	cell.Provide(scriptCommands),
 )

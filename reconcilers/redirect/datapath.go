@@ -41,7 +41,7 @@ type Datapath interface {
 type bpfDatapath struct {
 	root     string
 	linksDir string
-	netns    *nodeNetns
+	netns    *NodeNetns
 	objs     *bpf.Objects
 	lock     *statedir.Lock
 	err      error
@@ -49,7 +49,7 @@ type bpfDatapath struct {
 
 var _ Datapath = (*bpfDatapath)(nil)
 
-func newDatapath(lc cell.Lifecycle, log *slog.Logger, health cell.Health, cfg Config, netns *nodeNetns) Datapath {
+func newDatapath(lc cell.Lifecycle, log *slog.Logger, health cell.Health, cfg Config, netns *NodeNetns) Datapath {
 	if !cfg.EnableRedirect {
 		return &bpfDatapath{err: ErrDisabled}
 	}
@@ -134,7 +134,7 @@ func (dp *bpfDatapath) Attach(h bpf.Hook, device string, ifindex int) error {
 	if err := dp.Err(); err != nil {
 		return err
 	}
-	return dp.netns.do(func() error { return dp.objs.Attach(h, dp.pin(device), ifindex) })
+	return dp.netns.Do(func() error { return dp.objs.Attach(h, dp.pin(device), ifindex) })
 }
 
 func (dp *bpfDatapath) Detach(device string) error {

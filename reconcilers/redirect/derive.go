@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"iter"
 	"log/slog"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -40,6 +41,7 @@ type derivationParams struct {
 	Redirects   statedb.RWTable[*Redirect]
 	Attachments statedb.RWTable[*Attachment]
 	Interfaces  Interfaces
+	Datapath    Datapath
 }
 
 // derivation keeps the redirects and attachments tables equal to what the
@@ -49,6 +51,9 @@ type derivationParams struct {
 type derivation struct {
 	derivationParams
 	initDone []func(statedb.WriteTxn)
+	// disabled: --enable-redirect=false. The rows still say what would be
+	// steered; their status says that nothing is applied.
+	disabled bool
 }
 
 // Pacing of the derivation: changes that come together (a CNI report and
@@ -64,10 +69,7 @@ const (
 )
 
 func registerDerivation(p derivationParams) {
-	if !p.Config.EnableRedirect {
-		return
-	}
-	d := &derivation{derivationParams: p}
+	d := &derivation{derivationParams: p, disabled: errors.Is(p.Datapath.Err(), ErrDisabled)}
 	wtxn := p.DB.WriteTxn(p.Redirects, p.Attachments)
 	d.initDone = []func(statedb.WriteTxn){
 		p.Redirects.RegisterInitializer(wtxn, "redirect-derivation"),
@@ -90,7 +92,11 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 	for {
 		passStart := time.Now()
 		changed := d.Interfaces.Changed()
-		scan, scanErr := d.Interfaces.Scan()
+		var scan Scan
+		var scanErr error
+		if !d.disabled {
+			scan, scanErr = d.Interfaces.Scan()
+		}
 		// The tables count as initialized (which lets the reconcilers
 		// prune what they do not hold) only after a full scan: a pod
 		// missing from a partial one would lose the entries and programs
@@ -98,10 +104,13 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		// this for initScanGrace at most.
 		complete := scanErr == nil || time.Since(start) > initScanGrace
 		watches, problems := d.pass(scan, scanErr, complete)
-		if problems == 0 {
+		switch {
+		case d.disabled:
+			health.OK(fmt.Sprintf("%d redirects desired, none applied: %v", d.Redirects.NumObjects(d.DB.ReadTxn()), ErrDisabled))
+		case problems == 0:
 			health.OK(fmt.Sprintf("%d redirects", d.Redirects.NumObjects(d.DB.ReadTxn())))
 			retry = minRetry
-		} else {
+		default:
 			health.Degraded("rows with problems",
 				errors.Join(fmt.Errorf("%d rows of redirects and attachments with problems", problems), scanErr))
 		}
@@ -153,6 +162,18 @@ func (d *derivation) pass(scan Scan, scanErr error, initialize bool) ([4]<-chan 
 		return d.Attachments.List(wtxn, AttachmentsByPod(pod))
 	}
 	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj, attached)
+	status := reconciler.StatusPending()
+	if d.disabled {
+		// Nothing looks for interfaces, and nothing is written: every
+		// row says so instead of naming a missing interface.
+		status = reconciler.StatusError(ErrDisabled)
+		for _, r := range want.redirects {
+			r.Problem = ""
+		}
+		for _, a := range want.attachments {
+			a.Problem = ""
+		}
+	}
 
 	problems := 0
 	for _, r := range want.redirects {
@@ -165,12 +186,10 @@ func (d *derivation) pass(scan Scan, scanErr error, initialize bool) ([4]<-chan 
 			problems++
 		}
 	}
-	reconcilers.Sync(wtxn, d.Redirects, want.redirects,
-		func(r *Redirect) netip.Addr { return r.Addr }, (*Redirect).sameDesire,
-		func(r *Redirect) { r.Status = reconciler.StatusPending() })
-	reconcilers.Sync(wtxn, d.Attachments, want.attachments,
-		func(a *Attachment) string { return a.Device }, (*Attachment).sameDesire,
-		func(a *Attachment) { a.Status = reconciler.StatusPending() })
+	tables.Sync(wtxn, d.Redirects, slices.Collect(maps.Values(want.redirects)), tables.SyncOptions[*Redirect]{
+		Same: (*Redirect).sameDesire, Prepare: func(r *Redirect) { r.Status = status }})
+	tables.Sync(wtxn, d.Attachments, slices.Collect(maps.Values(want.attachments)), tables.SyncOptions[*Attachment]{
+		Same: (*Attachment).sameDesire, Prepare: func(a *Attachment) { a.Status = status }})
 	if initialize {
 		for _, done := range d.initDone {
 			done(wtxn)

@@ -57,15 +57,15 @@ type Interfaces interface {
 // (Cilium routes pods through cilium_host unless endpoint routes are on),
 // and an address counts only where it is really configured.
 type netlinkInterfaces struct {
-	netns *nodeNetns
+	netns *NodeNetns
 
 	mu      sync.Mutex
 	changed chan struct{}
 }
 
-func newNetlinkInterfaces(cfg Config, netns *nodeNetns, jobs job.Group) Interfaces {
+func newNetlinkInterfaces(cfg Config, netns *NodeNetns, jobs job.Group) Interfaces {
 	ni := &netlinkInterfaces{netns: netns, changed: make(chan struct{})}
-	if cfg.EnableRedirect {
+	if cfg.EnableRedirect { // else nothing scans: the derivation knows
 		jobs.Add(job.OneShot("watch-interfaces", ni.watch))
 	}
 	return ni
@@ -145,7 +145,7 @@ func (ni *netlinkInterfaces) Scan() (Scan, error) {
 		s   Scan
 		err error
 	)
-	if derr := ni.netns.do(func() error { s, err = scan(); return nil }); derr != nil {
+	if derr := ni.netns.Do(func() error { s, err = scan(); return nil }); derr != nil {
 		return Scan{}, derr
 	}
 	return s, err

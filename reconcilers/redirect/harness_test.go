@@ -23,9 +23,10 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/tables"
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
 
 // waitTimeout bounds every wait of these tests.
@@ -137,7 +138,7 @@ func (c *cluster) startAgent(t *testing.T, extraFlags ...string) *agent {
 	a := &agent{}
 	a.h = hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		tables.Cell, source.Cell, enrollment.Cell, redirect.Cell,
+		tables.Cell, ingest.Cell, enrollment.Cell, redirect.Cell, readiness.Cell,
 		cell.Invoke(func(db *statedb.DB, r statedb.Table[*redirect.Redirect], at statedb.Table[*redirect.Attachment], p statedb.Table[*tables.Pod]) {
 			a.db, a.redirects, a.attachments, a.pods = db, r, at, p
 		}),

@@ -11,35 +11,35 @@ import (
 	"github.com/vishvananda/netns"
 )
 
-// nodeNetns is the network namespace of the node's devices: the agent's own
+// NodeNetns is the network namespace of the node's devices: the agent's own
 // unless --node-netns names another. Interface indexes given to the kernel
 // (TCX attach, program queries) are resolved in the namespace of the
-// calling thread, hence do.
-type nodeNetns struct {
+// calling thread, hence Do.
+type NodeNetns struct {
 	handle netns.NsHandle // netns.None() for the agent's own
 }
 
-func newNodeNetns(lc cell.Lifecycle, cfg Config) (*nodeNetns, error) {
+func newNodeNetns(lc cell.Lifecycle, cfg Config) (*NodeNetns, error) {
 	if cfg.NodeNetns == "" || !cfg.EnableRedirect {
-		return &nodeNetns{handle: netns.None()}, nil
+		return &NodeNetns{handle: netns.None()}, nil
 	}
 	h, err := netns.GetFromPath(cfg.NodeNetns)
 	if err != nil {
 		return nil, fmt.Errorf("--node-netns=%s: %w", cfg.NodeNetns, err)
 	}
-	n := &nodeNetns{handle: h}
+	n := &NodeNetns{handle: h}
 	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { return h.Close() }})
 	return n, nil
 }
 
-// do runs fn on an OS thread in the node's namespace (a locked thread of
+// Do runs fn on an OS thread in the node's namespace (a locked thread of
 // its own when that is not the agent's namespace).
-func (n *nodeNetns) do(fn func() error) error { return InNetns(n.handle, fn) }
+func (n *NodeNetns) Do(fn func() error) error { return inNetns(n.handle, fn) }
 
-// InNetns runs fn on an OS thread in the namespace h, or right here when h
+// inNetns runs fn on an OS thread in the namespace h, or right here when h
 // is not open (the agent's own namespace). Interface indexes given to the
 // kernel (netlink, TCX) are resolved in the calling thread's namespace.
-func InNetns(h netns.NsHandle, fn func() error) error {
+func inNetns(h netns.NsHandle, fn func() error) error {
 	if !h.IsOpen() {
 		return fn()
 	}

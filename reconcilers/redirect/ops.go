@@ -109,7 +109,6 @@ type reconcilerParams struct {
 
 	Params      reconciler.Params
 	Log         *slog.Logger
-	Config      Config
 	Datapath    Datapath
 	Redirects   statedb.RWTable[*Redirect]
 	Attachments statedb.RWTable[*Attachment]
@@ -125,8 +124,8 @@ const (
 )
 
 func registerReconcilers(p reconcilerParams) error {
-	if !p.Config.EnableRedirect {
-		return nil
+	if errors.Is(p.Datapath.Err(), ErrDisabled) {
+		return nil // the derivation's rows say that nothing is applied
 	}
 	_, err := reconciler.Register(p.Params, p.Redirects,
 		(*Redirect).clone,

@@ -27,10 +27,11 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
-	"github.com/mtlsbridge/mtlsbridge/tables/source"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
 
 // TestScript runs testdata/*.txtar: the derivation and the reconcilers
@@ -54,9 +55,9 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	}
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		tables.Cell, source.Cell, enrollment.Cell,
+		tables.Cell, ingest.Cell, enrollment.Cell,
 		// What xDS tells the mTLS agent follows the datapath (HBONE).
-		workload.Cell,
+		readiness.Cell, workload.Cell,
 		cell.Module("redirect-test", "Redirect cell on a fake kernel",
 			cell.Provide(
 				func() redirect.Datapath { return k },

@@ -75,7 +75,7 @@ func (r *Redirect) TableRow() []string {
 	if r.Interface != "" {
 		iface = r.Interface + "(" + strconv.Itoa(int(r.Ifindex)) + ")"
 	}
-	return []string{addrString(r.Addr), r.Kind.String(), dash(r.Pod), iface, mac, statusString(r.Status)}
+	return []string{addrString(r.Addr), r.Kind.String(), tables.Dash(r.Pod), iface, mac, tables.StatusString(r.Status)}
 }
 
 // Attachment is a program to keep attached to a device of this node.
@@ -106,7 +106,7 @@ func (a *Attachment) TableRow() []string {
 	if a.Ifindex != 0 {
 		ifindex = strconv.Itoa(a.Ifindex)
 	}
-	return []string{a.Device, ifindex, string(a.Hook), dash(a.Pod), statusString(a.Status)}
+	return []string{a.Device, ifindex, string(a.Hook), tables.Dash(a.Pod), tables.StatusString(a.Status)}
 }
 
 var (
@@ -169,20 +169,4 @@ func addrString(a netip.Addr) string {
 		return AgentAddr
 	}
 	return a.String()
-}
-
-// statusString shows a status without its age, so that rows compare in
-// scripts.
-func statusString(s reconciler.Status) string {
-	if s.Kind == reconciler.StatusKindError {
-		return "Error: " + s.GetError()
-	}
-	return s.Kind.String()
-}
-
-func dash(s string) string {
-	if s == "" {
-		return "-"
-	}
-	return s
 }

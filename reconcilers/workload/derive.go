@@ -17,7 +17,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -35,7 +35,7 @@ type derivationParams struct {
 	CNIPods     statedb.Table[*tables.CNIPod]
 	Enrollments statedb.Table[*enrollment.Enrollment]
 	// Ready says which of this node's pods are really redirected.
-	Ready     statedb.Table[*redirect.ReadyAnnotation]
+	Ready     statedb.Table[*readiness.ReadyAnnotation]
 	Workloads statedb.RWTable[*Workload]
 }
 
@@ -46,7 +46,7 @@ type derivation struct {
 	pods        statedb.ChangeIterator[*tables.Pod]
 	cniPods     statedb.ChangeIterator[*tables.CNIPod]
 	enrollments statedb.ChangeIterator[*enrollment.Enrollment]
-	ready       statedb.ChangeIterator[*redirect.ReadyAnnotation]
+	ready       statedb.ChangeIterator[*readiness.ReadyAnnotation]
 	initDone    func(statedb.WriteTxn)
 }
 
@@ -152,7 +152,7 @@ func (d *derivation) redirected(txn statedb.ReadTxn, pod *tables.Pod) bool {
 	if pod.NodeName != d.LocalNode.NodeName {
 		return pod.RedirectReady
 	}
-	r, _, found := d.Ready.Get(txn, redirect.ReadyAnnotationByPod(pod.Key()))
+	r, _, found := d.Ready.Get(txn, readiness.ByPod(pod.Key()))
 	return found && r.Ready
 }
 

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 
-// Package source fills the tables of package tables from the Kubernetes API
+// Package ingest fills the tables of package tables from the Kubernetes API
 // or from a folder of YAML manifests, and is their only writer.
-package source
+package ingest
 
 import (
 	"fmt"
@@ -40,7 +40,12 @@ var Cell = cell.Module(
 		func(w *writeTables) statedb.Table[*tables.Node] { return w.Nodes },
 		func(w *writeTables) statedb.Table[*tables.Source] { return w.Sources },
 	),
-	// Kubernetes clients, nil in folder mode; later components use them too.
+	// Where objects come from, for the components that act differently
+	// in folder mode (the CA's material, readiness published on pods,
+	// caller authentication, the node taint).
+	cell.Provide(Config.mode),
+	// Kubernetes clients (Kubernetes mode only; nil in folder mode);
+	// later components use them too.
 	cell.Provide(newClients),
 	cell.Invoke(startSources),
 )
@@ -71,6 +76,35 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Float64("kube-api-qps", def.KubeAPIQPS, "Requests per second to the Kubernetes API server at most")
 	flags.Int("kube-api-burst", def.KubeAPIBurst, "Requests to the Kubernetes API server in a burst at most")
 	flags.Int64("manifest-max-bytes", def.ManifestMaxBytes, "--source=dir: largest manifest file read")
+}
+
+// Mode is where the agent's view of the cluster comes from.
+type Mode int
+
+const (
+	// Kubernetes: the API server (--source=k8s), through reflectors.
+	Kubernetes Mode = iota + 1
+	// Folder: a folder of YAML manifests (--source=dir:PATH), followed
+	// while running; nothing is written back to a cluster.
+	Folder
+)
+
+func (m Mode) String() string {
+	if m == Kubernetes {
+		return "kubernetes"
+	}
+	return "folder"
+}
+
+func (c Config) mode() (Mode, error) {
+	dir, err := c.dir()
+	if err != nil {
+		return 0, err
+	}
+	if dir != "" {
+		return Folder, nil
+	}
+	return Kubernetes, nil
 }
 
 // dir returns the manifest folder, or "" in Kubernetes mode.
@@ -105,9 +139,9 @@ type Clients struct {
 	Config  *rest.Config
 }
 
-func newClients(cfg Config) (*Clients, error) {
-	if _, err := cfg.dir(); err != nil || cfg.Source != "k8s" {
-		return nil, err
+func newClients(cfg Config, mode Mode) (*Clients, error) {
+	if mode != Kubernetes {
+		return nil, nil
 	}
 	if cfg.KubeAPIQPS <= 0 || cfg.KubeAPIBurst < 1 {
 		return nil, fmt.Errorf("--kube-api-qps and --kube-api-burst must be positive")

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 
-package bypass
+package redirect
 
 import (
 	"errors"
@@ -12,25 +12,26 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 )
 
-// pinnedKernel reads the datapath through its pins under --bpf-root, and
+// PinnedState reads the datapath through its pins under --bpf-root, and
 // the node's interfaces through netlink in the node's network namespace.
 // It opens everything anew at each call, and so sees what another process
-// (or a person with bpftool) did behind the agent's back.
-type pinnedKernel struct {
+// (or a person with bpftool) did behind the agent's back: the bypass check
+// reads the kernel through it, never the reconcilers' tables.
+type PinnedState struct {
 	root  string
-	netns netns.NsHandle // netns.None() for the agent's own
+	netns *NodeNetns
 }
 
-var _ Kernel = (*pinnedKernel)(nil)
+func newPinnedState(cfg Config, netns *NodeNetns) *PinnedState {
+	return &PinnedState{root: cfg.BPFRoot, netns: netns}
+}
 
-// Entries implements Kernel.
-func (k *pinnedKernel) Entries() (map[netip.Addr]bpf.Entry, error) {
+// Entries reads the redirect map.
+func (k *PinnedState) Entries() (map[netip.Addr]bpf.Entry, error) {
 	pin := filepath.Join(k.root, bpf.MapName)
 	m, err := ebpf.LoadPinnedMap(pin, &ebpf.LoadPinOptions{ReadOnly: true})
 	if err != nil {
@@ -40,11 +41,14 @@ func (k *pinnedKernel) Entries() (map[netip.Addr]bpf.Entry, error) {
 	return bpf.NewRedirectMap(m).Dump()
 }
 
-// Link implements Kernel: the link the redirect reconciler pinned for device.
-func (k *pinnedKernel) Link(device string) (bpf.LinkInfo, error) {
-	pin := redirect.LinkPin(k.root, device)
+// Link reads the from-pod link pinned for a device (First: whether its
+// program is the first TCX ingress program of the link's interface).
+//
+// Possible errors: one wrapping os.ErrNotExist when nothing is pinned.
+func (k *PinnedState) Link(device string) (bpf.LinkInfo, error) {
+	pin := LinkPin(k.root, device)
 	var li bpf.LinkInfo
-	err := k.do(func() error {
+	err := k.netns.Do(func() error {
 		var err error
 		li, err = bpf.PinnedLink(pin)
 		return err
@@ -52,9 +56,12 @@ func (k *pinnedKernel) Link(device string) (bpf.LinkInfo, error) {
 	return li, err
 }
 
-// Interface implements Kernel.
-func (k *pinnedKernel) Interface(ifindex int) (string, bool, error) {
-	h, err := netlink.NewHandleAt(k.netns)
+// Interface returns the name of an interface of the node and whether it
+// is up (administratively and operationally).
+//
+// Possible errors: one wrapping os.ErrNotExist when there is none.
+func (k *PinnedState) Interface(ifindex int) (string, bool, error) {
+	h, err := netlink.NewHandleAt(k.netns.handle)
 	if err != nil {
 		return "", false, err
 	}
@@ -73,6 +80,3 @@ func (k *pinnedKernel) Interface(ifindex int) (string, bool, error) {
 	up := a.Flags&net.FlagUp != 0 && (a.OperState == netlink.OperUp || a.OperState == netlink.OperUnknown)
 	return a.Name, up, nil
 }
-
-// do runs fn on an OS thread in the node's namespace.
-func (k *pinnedKernel) do(fn func() error) error { return redirect.InNetns(k.netns, fn) }

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 
-package source
+package ingest
 
 import (
 	"context"
@@ -33,7 +33,7 @@ type reflection[T any] struct {
 	expected runtime.Object
 	convert  func(obj any) (T, error)
 	// owned tells this source's rows from those of another source that
-	// shares the table (CNP and CCNP both fill policies).
+	// shares the table (CNP and CCNP both fill policies); nil: all rows.
 	owned    func(T) bool
 	tables   *writeTables
 	table    statedb.RWTable[T]
@@ -100,7 +100,7 @@ func (r *reflection[T]) apply(ops []storeOp[T]) {
 		case op.watchErr != nil:
 			src.Error = "watch: " + op.watchErr.Error()
 		case op.isList:
-			src.Objects = replace(txn, r.table, op.replace, r.owned)
+			src.Objects = tables.Sync(txn, r.table, op.replace, tables.SyncOptions[T]{Owned: r.owned})
 			src.Synced = true
 			src.Error = ""
 			if r.initDone != nil {
@@ -180,14 +180,14 @@ func k8sJobs(log *slog.Logger, c *Clients, w *writeTables) []job.Job {
 	}
 	return []job.Job{
 		newReflection(log, w, w.Pods, "pods", typed("pods"), c.Kube, &corev1.Pod{},
-			func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) }, ownsAll),
+			func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) }, nil),
 		newReflection(log, w, w.Namespaces, "namespaces", typed("namespaces"), c.Kube, &corev1.Namespace{},
 			func(obj any) (*tables.Namespace, error) {
 				ns := obj.(*corev1.Namespace)
 				return &tables.Namespace{Name: ns.Name, Labels: tables.NewLabels(ns.Labels)}, nil
-			}, ownsAll),
+			}, nil),
 		newReflection(log, w, w.Nodes, "nodes", typed("nodes"), c.Kube, &corev1.Node{},
-			func(obj any) (*tables.Node, error) { return nodeFromK8s(obj.(*corev1.Node)), nil }, ownsAll),
+			func(obj any) (*tables.Node, error) { return nodeFromK8s(obj.(*corev1.Node)), nil }, nil),
 		newReflection(log, w, w.Policies, "ciliumnetworkpolicies", custom("ciliumnetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
 			policy(tables.KindCNP), ownsKind(tables.KindCNP)),
 		newReflection(log, w, w.Policies, "ciliumclusterwidenetworkpolicies", custom("ciliumclusterwidenetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
@@ -195,7 +195,7 @@ func k8sJobs(log *slog.Logger, c *Clients, w *writeTables) []job.Job {
 		newReflection(log, w, w.Endpoints, "ciliumendpoints", custom("ciliumendpoints"), c.Dynamic, &unstructured.Unstructured{},
 			func(obj any) (*tables.Endpoint, error) {
 				return endpointFromUnstructured(obj.(*unstructured.Unstructured))
-			}, ownsAll),
+			}, nil),
 	}
 }
 

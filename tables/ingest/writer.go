@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 
-package source
+package ingest
 
 import (
 	"fmt"
@@ -90,14 +90,12 @@ func describe(obj any) string {
 
 // replaceAll makes every table hold exactly the objects of the set.
 func (w *writeTables) replaceAll(txn statedb.WriteTxn, s *objectSet) {
-	replace(txn, w.Pods, s.pods, ownsAll)
-	replace(txn, w.Namespaces, s.namespaces, ownsAll)
-	replace(txn, w.Policies, s.policies, ownsAll)
-	replace(txn, w.Endpoints, s.endpoints, ownsAll)
-	replace(txn, w.Nodes, s.nodes, ownsAll)
+	tables.Sync(txn, w.Pods, s.pods, tables.SyncOptions[*tables.Pod]{})
+	tables.Sync(txn, w.Namespaces, s.namespaces, tables.SyncOptions[*tables.Namespace]{})
+	tables.Sync(txn, w.Policies, s.policies, tables.SyncOptions[*tables.Policy]{})
+	tables.Sync(txn, w.Endpoints, s.endpoints, tables.SyncOptions[*tables.Endpoint]{})
+	tables.Sync(txn, w.Nodes, s.nodes, tables.SyncOptions[*tables.Node]{})
 }
-
-func ownsAll[T any](T) bool { return true }
 
 // upsert inserts obj unless an equal object is already there, so that
 // consumers of the table's changes see only real changes. It reports
@@ -116,27 +114,4 @@ func upsert[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T) (added b
 func remove[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T) (removed bool) {
 	_, hadOld, _ := tbl.Delete(txn, obj)
 	return hadOld
-}
-
-// replace makes the objects of tbl that owned accepts exactly objs. It
-// returns how many objects the owner now has.
-func replace[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], objs []T, owned func(T) bool) int {
-	keep := make(map[string]struct{}, len(objs))
-	idx := tbl.PrimaryIndexer()
-	for _, obj := range objs {
-		upsert(txn, tbl, obj)
-		key, _ := idx.ObjectToKey(obj)
-		keep[string(key)] = struct{}{}
-	}
-	var stale []T
-	for obj := range tbl.All(txn) {
-		key, _ := idx.ObjectToKey(obj)
-		if _, ok := keep[string(key)]; !ok && owned(obj) {
-			stale = append(stale, obj)
-		}
-	}
-	for _, obj := range stale {
-		tbl.Delete(txn, obj)
-	}
-	return len(keep)
 }
