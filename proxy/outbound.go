@@ -1,0 +1,130 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package proxy
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"net"
+	"net/netip"
+)
+
+// handleOutbound serves a connection captured from a local pod: its remote
+// address is the pod's, its local address the original destination.
+//
+// The path follows what xDS says of the destination: a workload of another
+// node whose tunnel protocol is HBONE is reached through HBONE, with the
+// source workload's certificate, and only if the peer proves the
+// destination's identity; anything else gets plain TCP from the pod's own
+// address. An HBONE destination never falls back to plain TCP: without a
+// certificate, a handshake, the right peer identity or a 200 answer, the
+// pod's connection is reset.
+func (p *Proxy) handleOutbound(ctx context.Context, conn *net.TCPConn) {
+	src, dst := addrPort(conn.RemoteAddr()), addrPort(conn.LocalAddr())
+	srcW := p.state.LocalByIP(src.Addr())
+	if srcW == nil {
+		p.refuse(DirectionOutbound, "unknown-source", src, dst, "", "", ErrUnknownSource)
+		reset(conn)
+		return
+	}
+	if p.isSelf(dst.Addr()) {
+		p.refuse(DirectionOutbound, "loop", src, dst, srcW.Identity, "", ErrLoop)
+		reset(conn)
+		return
+	}
+	dstW := p.state.ByIP(dst.Addr())
+	if dstW != nil && dstW.HBONE && dstW.Node != p.cfg.NodeName {
+		p.outboundHBONE(ctx, conn, src, dst, srcW, dstW)
+		return
+	}
+	p.outboundPlain(ctx, conn, src, dst, srcW)
+}
+
+func (p *Proxy) outboundHBONE(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW, dstW *Workload) {
+	refuse := func(reason string, err error) {
+		p.refuse(DirectionOutbound, reason, src, dst, srcW.Identity, dstW.Identity, err)
+		reset(conn)
+	}
+	cert := p.certs.Get(srcW.Identity)
+	if cert == nil {
+		refuse("no-certificate", ErrNoCertificate)
+		return
+	}
+	// The tunnel leaves from the pod's address, as ztunnel's does from
+	// inside the pod: the peer proxy sees the pod as the source, and
+	// Cilium's policy at the destination node sees the pod's identity.
+	tcp, err := dialFrom(ctx, src.Addr(), netip.AddrPortFrom(dst.Addr(), p.peerHBONEPort))
+	if err != nil {
+		refuse("connect-failed", err)
+		return
+	}
+	var proved string
+	tlsConn := tls.Client(tcp, clientTLS(cert, p.certs.Bundle(), p.cfg.TrustDomain, dstW.Identity, &proved))
+	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
+	err = tlsConn.HandshakeContext(hctx)
+	cancel()
+	if err != nil {
+		tlsConn.Close()
+		reason := handshakeReason(err)
+		p.metrics.HandshakeFailures.WithLabelValues(DirectionOutbound, reason).Inc()
+		p.refuse(DirectionOutbound, reason, src, dst, srcW.Identity, dstW.Identity+provedSuffix(proved), err)
+		reset(conn)
+		return
+	}
+	stream, err := openTunnel(p.transport, tlsConn, dst.String(), forwardedFor(src))
+	if err != nil {
+		tlsConn.Close()
+		refuse("tunnel-refused", err)
+		return
+	}
+	p.opened(DirectionOutbound, ProtocolHBONE, src, dst, srcW.Identity, proved)
+	res := relay(ctx, p.bufs, conn, stream, p.counters(DirectionOutbound, ProtocolHBONE))
+	p.closed(DirectionOutbound, ProtocolHBONE, src, dst, res)
+}
+
+func (p *Proxy) outboundPlain(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW *Workload) {
+	up, err := dialFrom(ctx, src.Addr(), dst)
+	if err != nil {
+		p.refuse(DirectionOutbound, "connect-failed", src, dst, srcW.Identity, "", err)
+		reset(conn)
+		return
+	}
+	p.opened(DirectionOutbound, ProtocolPlain, src, dst, srcW.Identity, "")
+	res := relay(ctx, p.bufs, conn, up, p.counters(DirectionOutbound, ProtocolPlain))
+	p.closed(DirectionOutbound, ProtocolPlain, src, dst, res)
+}
+
+// isSelf: an address of the proxy's own (a loop through its listeners).
+func (p *Proxy) isSelf(ip netip.Addr) bool {
+	if ip.IsLoopback() || ip.IsUnspecified() {
+		return true
+	}
+	own, err := netip.ParseAddr(p.cfg.InstanceIP)
+	return err == nil && own == ip
+}
+
+// handshakeReason labels a failed handshake for metrics.
+func handshakeReason(err error) string {
+	var alert tls.AlertError
+	switch {
+	case errors.Is(err, ErrPeerIdentity):
+		return "identity-mismatch"
+	case errors.Is(err, ErrPeerCertificate):
+		return "bad-certificate"
+	case errors.Is(err, ErrNoCertificate):
+		return "no-certificate"
+	case errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	case errors.As(err, &alert):
+		return "peer-refused"
+	}
+	return "handshake-error"
+}
+
+func provedSuffix(proved string) string {
+	if proved == "" {
+		return ""
+	}
+	return " (peer proved " + proved + ")"
+}
