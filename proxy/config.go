@@ -55,6 +55,7 @@ const (
 
 // Ports of ztunnel's listeners.
 const (
+	AdminPort     = 15000
 	OutboundPort  = 15001
 	HBONEPort     = 15008
 	MetricsPort   = 15020
@@ -83,6 +84,8 @@ type Config struct {
 	HBONEListen     []string
 	ReadinessListen string
 	MetricsListen   string
+	// AdminListen serves /config_dump, on loopback only as ztunnel's.
+	AdminListen string
 
 	// CertificateValidity is asked of the CA (ztunnel's default, 24h; the
 	// CA bounds it).
@@ -233,6 +236,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MetricsListen == "" {
 		c.MetricsListen = ":" + strconv.Itoa(MetricsPort)
+	}
+	if c.AdminListen == "" {
+		c.AdminListen = net.JoinHostPort("127.0.0.1", strconv.Itoa(AdminPort))
 	}
 	if c.Now == nil {
 		c.Now = time.Now

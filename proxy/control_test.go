@@ -247,7 +247,7 @@ func TestReadiness(t *testing.T) {
 	// Loopback listeners on free ports: this test needs no namespace.
 	cfg.OutboundListen = []string{"127.0.0.1:0"}
 	cfg.HBONEListen = []string{"127.0.0.1:0"}
-	cfg.ReadinessListen, cfg.MetricsListen = "127.0.0.1:0", "127.0.0.1:0"
+	cfg.ReadinessListen, cfg.MetricsListen, cfg.AdminListen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
 	// The CA is unreachable at first: no certificate, not ready.
 	blocked := newCutter(t, a.GRPCAddr)
 	blocked.cut()

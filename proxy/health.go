@@ -4,32 +4,40 @@ package proxy
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
-// ReadyPath is ztunnel's readiness endpoint on port 15021.
-const ReadyPath = "/healthz/ready"
+// Endpoints as ztunnel's: readiness on 15021, config dump on the admin
+// port 15000 (loopback).
+const (
+	ReadyPath      = "/healthz/ready"
+	ConfigDumpPath = "/config_dump"
+)
 
-// serveHealth serves readiness (15021) and metrics (15020) until the
-// returned function is called.
+// serveHealth serves readiness (15021), metrics (15020) and the config dump
+// (127.0.0.1:15000) until the returned function is called.
 func (p *Proxy) serveHealth(ctx context.Context) (func(), error) {
 	ready := http.NewServeMux()
 	ready.HandleFunc(ReadyPath, p.readyHandler)
 	metrics := http.NewServeMux()
 	metrics.Handle("/metrics", promhttp.HandlerFor(p.registry, promhttp.HandlerOpts{}))
+	admin := http.NewServeMux()
+	admin.HandleFunc(ConfigDumpPath, p.configDump)
 
 	var servers []*http.Server
 	for _, s := range []struct {
 		addr    string
 		handler http.Handler
-	}{{p.cfg.ReadinessListen, ready}, {p.cfg.MetricsListen, metrics}} {
+	}{{p.cfg.ReadinessListen, ready}, {p.cfg.MetricsListen, metrics}, {p.cfg.AdminListen, admin}} {
 		var lc net.ListenConfig
 		l, err := lc.Listen(ctx, "tcp", s.addr)
 		if err != nil {
@@ -78,4 +86,34 @@ func (p *Proxy) readyHandler(w http.ResponseWriter, _ *http.Request) {
 		}
 	}
 	http.Error(w, "not ready: "+strings.Join(missing, "; "), http.StatusServiceUnavailable)
+}
+
+// ConfigDump is what /config_dump answers: what xDS told the proxy and the
+// certificates it holds.
+type ConfigDump struct {
+	Ready          bool                 `json:"ready"`
+	Workloads      []*Workload          `json:"workloads"`
+	Authorizations []string             `json:"authorizations"`
+	Certificates   []CertificateSummary `json:"certificates"`
+}
+
+// CertificateSummary describes a held certificate (never its key).
+type CertificateSummary struct {
+	Identity string    `json:"identity"`
+	Serial   string    `json:"serial"`
+	NotAfter time.Time `json:"notAfter"`
+}
+
+func (p *Proxy) configDump(w http.ResponseWriter, _ *http.Request) {
+	d := ConfigDump{Ready: p.ready.Load(), Workloads: p.state.Workloads(), Authorizations: p.state.PolicyNames()}
+	slices.SortFunc(d.Workloads, func(a, b *Workload) int { return strings.Compare(a.UID, b.UID) })
+	for _, id := range p.certs.Identities() {
+		if c := p.certs.Get(id); c != nil {
+			d.Certificates = append(d.Certificates, CertificateSummary{Identity: id, Serial: c.Leaf.SerialNumber.Text(16), NotAfter: c.Leaf.NotAfter})
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(d)
 }

@@ -18,20 +18,20 @@ import (
 // pick a path for a connection, the identities on both ends and the
 // policies that apply.
 type Workload struct {
-	UID       string
-	Name      string
-	Namespace string
-	Node      string
-	Addresses []netip.Addr
+	UID       string       `json:"uid"`
+	Name      string       `json:"name"`
+	Namespace string       `json:"namespace"`
+	Node      string       `json:"node"`
+	Addresses []netip.Addr `json:"addresses"`
 	// HBONE: the workload's node captures its traffic, so peers send to it
 	// through HBONE on port 15008; otherwise (NONE) plain TCP.
-	HBONE bool
+	HBONE bool `json:"hbone"`
 	// Identity is the SPIFFE ID its certificate carries:
 	// spiffe://TD/ns/NAMESPACE/sa/SERVICEACCOUNT.
-	Identity string
+	Identity string `json:"identity"`
 	// Policies names the WORKLOAD_SELECTOR Authorizations ("ns/name") that
 	// select this workload.
-	Policies []string
+	Policies []string `json:"policies,omitempty"`
 }
 
 // workloadFrom converts a Workload resource, checking what the proxy relies
@@ -158,6 +158,18 @@ func (s *State) Workloads() []*Workload {
 		out = append(out, w)
 	}
 	return out
+}
+
+// PolicyNames returns the names of the Authorization policies held, sorted.
+func (s *State) PolicyNames() []string {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	names := make([]string, 0, len(s.policies))
+	for name := range s.policies {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	return names
 }
 
 // Policies returns the Authorization policies that apply to a workload:
