@@ -55,9 +55,9 @@ func Plugins(t testing.TB) string {
 
 // Binaries returns a folder for CNI_PATH holding ptp and static (Plugins)
 // and mtlsbridge, mtlsbridge-cni and mtlsbridge-proxy, built from this
-// module's source (a few
-// seconds with a warm build cache). The folder is the test's and goes with
-// it; call Binaries once per test and hand the folder around.
+// module's source (a few seconds with a warm build cache). The folder is
+// the test's and goes with it; call Binaries once per test and hand the
+// folder around.
 func Binaries(t testing.TB) string {
 	t.Helper()
 	plugins := Plugins(t)
