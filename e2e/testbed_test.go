@@ -393,7 +393,7 @@ func (n *bedNode) addPod(name, namespace string, enrolled, isProxy bool) *bedPod
 	}
 	n.mu.Unlock()
 	p := &bedPod{name: name, namespace: namespace, serviceAccount: name, node: n, enrolled: enrolled, isProxy: isProxy,
-		ns: netnstest.NewNS(b.t, "mtlsb-"+name),
+		ns:  netnstest.NewNS(b.t, "mtlsb-"+name),
 		ip4: netip.AddrFrom4([4]byte{10, byte(n.index), 0, byte(last)}),
 		ip6: netip.MustParseAddr(fmt.Sprintf("fd00:%d::%x", n.index, last))}
 	if isProxy {
