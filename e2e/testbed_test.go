@@ -101,6 +101,8 @@ type bedPod struct {
 	running bool
 	// published: folder mode, the redirect ready annotation is written.
 	published bool
+	// created: the pod exists in the cluster.
+	created bool
 }
 
 func (p *bedPod) String() string { return p.name }
@@ -598,7 +600,7 @@ type cluster interface {
 	// agentArgs are the flags that point an agent at the cluster.
 	agentArgs(n *bedNode) []string
 	// putPod writes a pod as it is now (creating it the first time and
-	// setting p.sb.UID).
+	// setting p.sb.UID to its UID).
 	putPod(p *bedPod)
 	// token returns a bearer token for the proxy pod.
 	token(p *bedPod) string
@@ -630,9 +632,7 @@ func (c *folderCluster) agentArgs(n *bedNode) []string {
 }
 
 func (c *folderCluster) putPod(p *bedPod) {
-	if p.sb.UID == "" {
-		p.sb.UID = cnitest.NewSandbox(p.ns, p.namespace, p.name).UID
-	}
+	p.created = true // the sandbox's UID is the pod's
 	labels, annotations := "", ""
 	switch {
 	case p.isProxy:
