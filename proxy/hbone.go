@@ -4,7 +4,6 @@ package proxy
 
 import (
 	"context"
-	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
@@ -29,7 +28,7 @@ const (
 	maxStreamsPerConnection = 100
 	// h2IdleTimeout closes an HBONE connection without streams.
 	h2IdleTimeout = 60 * time.Second
-	h2FrameSize   = 1 << 20
+	h2FrameSize   = 64 << 10
 )
 
 // hboneTransport is the HTTP/2 client side: one ClientConn per tunnel.
@@ -61,7 +60,7 @@ func forwardedFor(src netip.AddrPort) string { return `for="` + src.String() + `
 // clientStream is an HBONE tunnel as one end of a relay: writes go into
 // the CONNECT's request body, reads come from its response body.
 type clientStream struct {
-	conn   *tls.Conn
+	conn   net.Conn
 	cc     *http2.ClientConn
 	body   io.ReadCloser
 	pw     *io.PipeWriter
@@ -84,7 +83,7 @@ func (s *clientStream) Close() error {
 
 // openTunnel sends CONNECT authority over an established HBONE
 // connection and returns the tunnel once the peer answered 200.
-func openTunnel(t *http2.Transport, conn *tls.Conn, authority string, forwarded string) (*clientStream, error) {
+func openTunnel(t *http2.Transport, conn net.Conn, authority string, forwarded string) (*clientStream, error) {
 	cc, err := t.NewClientConn(conn)
 	if err != nil {
 		return nil, err

@@ -3,6 +3,7 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -189,6 +190,28 @@ func TestHBONE(t *testing.T) {
 		if !strings.Contains(l, "sourceIdentity="+hbWebID) || !strings.Contains(l, "destinationIdentity="+hbAPIID) {
 			t.Errorf("log does not name both identities:\n%s", l)
 		}
+	}
+}
+
+// TestHBONELarge: megabytes cross the tunnel both ways intact while the
+// copy buffers switch between small and large.
+func TestHBONELarge(t *testing.T) {
+	h := newHBONEPair(t)
+	pod := h.connect(t, h.app)
+	pod.SetDeadline(time.Now().Add(30 * time.Second))
+	sent := make([]byte, 4<<20+123)
+	rand.Read(sent)
+	go func() {
+		pod.Write(sent)
+		pod.(*net.TCPConn).CloseWrite()
+	}()
+	got, err := io.ReadAll(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, echoed, _ := bytes.Cut(got, []byte("\n"))
+	if !bytes.Equal(echoed, sent) {
+		t.Fatalf("echoed %d bytes, sent %d; equal %v", len(echoed), len(sent), bytes.Equal(echoed, sent))
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"slices"
 	"strings"
 	"time"
@@ -32,6 +33,9 @@ func (p *Proxy) serveHealth(ctx context.Context) (func(), error) {
 	metrics.Handle("/metrics", promhttp.HandlerFor(p.registry, promhttp.HandlerOpts{}))
 	admin := http.NewServeMux()
 	admin.HandleFunc(ConfigDumpPath, p.configDump)
+	// Profiles, as ztunnel's admin port serves them (loopback only).
+	admin.HandleFunc("/debug/pprof/", pprof.Index)
+	admin.HandleFunc("/debug/pprof/profile", pprof.Profile)
 
 	var servers []*http.Server
 	for _, s := range []struct {

@@ -36,7 +36,9 @@ func (p *Proxy) handleInbound(ctx context.Context, conn *net.TCPConn) {
 		}
 		return nil, fmt.Errorf("%w: %s", ErrNoCertificate, dstW.Identity)
 	}
-	tlsConn := tls.Server(conn, serverTLS(cert, p.certs.Bundle, p.cfg.TrustDomain, &proved))
+	tlsConn := newBatchedTLS(conn, func(c net.Conn) *tls.Conn {
+		return tls.Server(c, serverTLS(cert, p.certs.Bundle, p.cfg.TrustDomain, &proved))
+	})
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
 	err := tlsConn.HandshakeContext(hctx)
 	cancel()
@@ -115,7 +117,7 @@ func (p *Proxy) serveConnect(ctx context.Context, w http.ResponseWriter, r *http
 	p.opened(DirectionInbound, ProtocolHBONE, peer, target, srcID, dstW.Identity)
 	opts := p.counters(DirectionInbound, ProtocolHBONE)
 	opts.returnOnReceivedEOF = true
-	res := relay(ctx, p.bufs, stream, up, opts)
+	res := relay(ctx, p.bufs, stream, newTCPStream(up), opts)
 	stream.finish()
 	p.closed(DirectionInbound, ProtocolHBONE, peer, target, res)
 }

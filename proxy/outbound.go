@@ -60,7 +60,9 @@ func (p *Proxy) outboundHBONE(ctx context.Context, conn *net.TCPConn, src, dst n
 		return
 	}
 	var proved string
-	tlsConn := tls.Client(tcp, clientTLS(cert, p.certs.Bundle(), p.cfg.TrustDomain, dstW.Identity, &proved))
+	tlsConn := newBatchedTLS(tcp, func(c net.Conn) *tls.Conn {
+		return tls.Client(c, clientTLS(cert, p.certs.Bundle(), p.cfg.TrustDomain, dstW.Identity, &proved))
+	})
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
 	err = tlsConn.HandshakeContext(hctx)
 	cancel()
@@ -79,7 +81,7 @@ func (p *Proxy) outboundHBONE(ctx context.Context, conn *net.TCPConn, src, dst n
 		return
 	}
 	p.opened(DirectionOutbound, ProtocolHBONE, src, dst, srcW.Identity, proved)
-	res := relay(ctx, p.bufs, conn, stream, p.counters(DirectionOutbound, ProtocolHBONE))
+	res := relay(ctx, p.bufs, newTCPStream(conn), stream, p.counters(DirectionOutbound, ProtocolHBONE))
 	p.closed(DirectionOutbound, ProtocolHBONE, src, dst, res)
 }
 
@@ -91,7 +93,7 @@ func (p *Proxy) outboundPlain(ctx context.Context, conn *net.TCPConn, src, dst n
 		return
 	}
 	p.opened(DirectionOutbound, ProtocolPlain, src, dst, srcW.Identity, "")
-	res := relay(ctx, p.bufs, conn, up, p.counters(DirectionOutbound, ProtocolPlain))
+	res := relay(ctx, p.bufs, newTCPStream(conn), newTCPStream(up), p.counters(DirectionOutbound, ProtocolPlain))
 	p.closed(DirectionOutbound, ProtocolPlain, src, dst, res)
 }
 

@@ -35,7 +35,7 @@ type Proxy struct {
 
 	transport *http2.Transport
 	h2        *http2.Server
-	bufs      *sync.Pool
+	bufs      *buffers
 
 	// peerHBONEPort is where peers' HBONE listeners are (15008; tests
 	// move it).
@@ -60,7 +60,7 @@ func New(cfg Config, log *slog.Logger) *Proxy {
 		certs:         NewCertificates(cfg, state, m, log),
 		transport:     newHBONETransport(),
 		h2:            newHBONEServer(),
-		bufs:          newBufferPool(),
+		bufs:          newBuffers(),
 		peerHBONEPort: HBONEPort,
 		outboundSlots: make(chan struct{}, maxConnections),
 		inboundSlots:  make(chan struct{}, maxConnections),

@@ -10,8 +10,28 @@ import (
 	"time"
 )
 
-// relayBufferSize is the copy buffer of each direction of a connection.
-const relayBufferSize = 32 << 10
+// Copy buffers: small while a direction trickles or waits, large while it
+// streams (fewer system calls and larger HTTP/2 frames).
+const (
+	smallBuffer = 16 << 10
+	largeBuffer = 256 << 10
+)
+
+// buffers are the proxy's copy buffers, shared by all connections.
+type buffers struct{ small, large sync.Pool }
+
+func newBuffers() *buffers {
+	b := &buffers{}
+	b.small.New = func() any { s := make([]byte, smallBuffer); return &s }
+	b.large.New = func() any { s := make([]byte, largeBuffer); return &s }
+	return b
+}
+
+// readableWaiter is a source that can wait for data without holding a
+// buffer (a TCP connection): an idle connection then holds none.
+type readableWaiter interface {
+	waitReadable() error
+}
 
 // halfStream is one end of a proxied connection: a TCP connection, or an
 // HBONE stream.
@@ -52,7 +72,7 @@ type relayOptions struct {
 // close one direction first keep working. The copy from dst to src runs in
 // the caller's goroutine. An error in either direction, ctx ending, or
 // the idle timeout closes both.
-func relay(ctx context.Context, bufs *sync.Pool, src, dst halfStream, opts relayOptions) relayResult {
+func relay(ctx context.Context, bufs *buffers, src, dst halfStream, opts relayOptions) relayResult {
 	var (
 		closeOnce sync.Once
 		lastByte  atomic.Int64
@@ -92,9 +112,22 @@ func relay(ctx context.Context, bufs *sync.Pool, src, dst halfStream, opts relay
 		defer watchdog.Stop()
 	}
 	copyOne := func(to, from halfStream, count *atomic.Int64, add func(int)) {
-		buf := bufs.Get().(*[]byte)
-		defer bufs.Put(buf)
+		waiter, _ := from.(readableWaiter)
+		large := false
 		for {
+			if waiter != nil {
+				// Wait for data first, then read it with a large buffer.
+				if err := waiter.waitReadable(); err != nil {
+					fail(err)
+					return
+				}
+				large = true
+			}
+			pool := &bufs.small
+			if large {
+				pool = &bufs.large
+			}
+			buf := pool.Get().(*[]byte)
 			n, rerr := from.Read(*buf)
 			if n > 0 {
 				lastByte.Store(time.Now().UnixNano())
@@ -102,10 +135,15 @@ func relay(ctx context.Context, bufs *sync.Pool, src, dst halfStream, opts relay
 				count.Add(int64(w))
 				add(w)
 				if werr != nil {
+					pool.Put(buf)
 					fail(werr)
 					return
 				}
 			}
+			pool.Put(buf)
+			// A source that filled its buffer streams: a large one next;
+			// one that did not is back to a small one.
+			large = n == len(*buf) || (large && n >= smallBuffer)
 			if rerr == io.EOF {
 				if err := to.CloseWrite(); err != nil {
 					fail(err)
@@ -136,8 +174,4 @@ func relay(ctx context.Context, bufs *sync.Pool, src, dst halfStream, opts relay
 	mu.Lock()
 	defer mu.Unlock()
 	return relayResult{Sent: sent.Load(), Received: received.Load(), Err: firstErr}
-}
-
-func newBufferPool() *sync.Pool {
-	return &sync.Pool{New: func() any { b := make([]byte, relayBufferSize); return &b }}
 }

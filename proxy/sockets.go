@@ -75,3 +75,31 @@ func addrPort(a net.Addr) netip.AddrPort {
 	ap, _ := netip.ParseAddrPort(a.String())
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 }
+
+// tcpStream is a TCP connection as one end of a relay, able to wait for
+// data without a buffer.
+type tcpStream struct {
+	*net.TCPConn
+	rc syscall.RawConn
+}
+
+// newTCPStream wraps c; a connection without a descriptor (never, for
+// TCP) stays as it is and waits for data holding a buffer.
+func newTCPStream(c *net.TCPConn) halfStream {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return c
+	}
+	return &tcpStream{TCPConn: c, rc: rc}
+}
+
+// waitReadable returns once a read would not block: data, the peer's end,
+// or an error is there. It peeks at the socket rather than trusting the
+// poller alone, which reports only new arrivals.
+func (s *tcpStream) waitReadable() error {
+	return s.rc.Read(func(fd uintptr) bool {
+		var b [1]byte
+		_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		return err != unix.EAGAIN && err != unix.EINTR
+	})
+}
