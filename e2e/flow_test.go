@@ -57,7 +57,11 @@ func (f *flow) enrolledLabel() string {
 func (f *flow) path() string {
 	switch {
 	case f.err != nil:
-		return "failed (" + shorten(f.err.Error()) + ")"
+		msg := f.err.Error()
+		if len(msg) > 80 {
+			msg = "..." + msg[len(msg)-77:]
+		}
+		return "failed: " + msg
 	case f.out != nil && f.out["protocol"] == proxy.ProtocolHBONE:
 		return "mTLS (HBONE) " + f.out["sourceIdentity"] + " -> " + f.out["destinationIdentity"]
 	case f.out != nil:
@@ -69,13 +73,6 @@ func (f *flow) path() string {
 func (f *flow) String() string {
 	return fmt.Sprintf("%-7s -> %-7s %-26s enrolled %-7s %-90s payload on the underlay: %v",
 		f.from, f.to, f.dst, f.enrolledLabel(), f.path(), f.visible)
-}
-
-func shorten(s string) string {
-	if i := strings.LastIndex(s, ": "); i >= 0 {
-		return s[i+2:]
-	}
-	return s
 }
 
 // run sends one flow from a pod to another's digest server over IPv4 or

@@ -12,6 +12,7 @@ import (
 	"crypto/x509"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"net/url"
@@ -19,6 +20,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -26,6 +28,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/proxy"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 )
 
 // TestMTLS proves on the two-node testbed, with a manifest folder as the
@@ -52,13 +55,21 @@ func startCheckPods(b *bed) checkPods {
 	}
 }
 
-// runChecks runs the checks; report, when set, gets every flow (the demo
-// prints them).
-func runChecks(t *testing.T, b *bed, report func(*flow)) {
+// runChecks runs the checks. Each flow is logged, or printed to out (the
+// demo) with the checks' names and the events between flows.
+func runChecks(t *testing.T, b *bed, out io.Writer) {
 	p := startCheckPods(b)
 	na, nb := b.nodes[0], b.nodes[1]
-	if report == nil {
-		report = func(f *flow) { t.Log(f) }
+	report := func(f *flow) { t.Log(f) }
+	note := func(string) {}
+	step := func(name string, fn func(t *testing.T)) { t.Run(name, fn) }
+	if out != nil {
+		report = func(f *flow) { fmt.Fprintln(out, "  "+f.String()) }
+		note = func(s string) { fmt.Fprintln(out, "  -- "+s) }
+		step = func(name string, fn func(t *testing.T)) {
+			fmt.Fprintf(out, "\n== %s\n", name)
+			t.Run(name, fn)
+		}
 	}
 	// Every enrolled pod is redirected (CNI ADD returned), so each proxy
 	// must hear of it as HBONE, its own node's included.
@@ -69,7 +80,7 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 	}
 	b.knows(na, p.a1, p.bplain, false)
 
-	t.Run("1 enrolled to enrolled across nodes is mTLS", func(t *testing.T) {
+	step("1 enrolled to enrolled across nodes is mTLS", func(t *testing.T) {
 		for _, v6 := range []bool{false, true} {
 			for _, c := range []struct{ from, to *bedPod }{{p.a1, p.b1}, {p.b1, p.a1}} {
 				f := b.run(c.from, c.to, v6)
@@ -84,7 +95,7 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 		}
 	})
 
-	t.Run("2 plain where a side is not enrolled", func(t *testing.T) {
+	step("2 plain where a side is not enrolled", func(t *testing.T) {
 		for _, v6 := range []bool{false, true} {
 			before := na.metric("mtlsbridge_proxy_connections_opened_total")
 			f := b.run(p.a1, p.bplain, v6)
@@ -104,7 +115,7 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 		}
 	})
 
-	t.Run("3 same node is not proxied", func(t *testing.T) {
+	step("3 same node is not proxied", func(t *testing.T) {
 		for _, v6 := range []bool{false, true} {
 			before := na.metric("mtlsbridge_proxy_connections_opened_total")
 			f := b.run(p.a1, p.a2, v6)
@@ -121,7 +132,7 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 		}
 	})
 
-	t.Run("4 clients without a mesh certificate are refused on 15008", func(t *testing.T) {
+	step("4 clients without a mesh certificate are refused on 15008", func(t *testing.T) {
 		before := nb.metric("mtlsbridge_proxy_handshake_failures_total", `direction="inbound"`)
 		other := foreignCertificate(t, "spiffe://cluster.local/ns/app/sa/aplain")
 		for _, c := range []struct {
@@ -129,7 +140,7 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 			cert *tls.Certificate
 		}{{"certificate of another CA", other}, {"no certificate", nil}} {
 			err := tlsTo(p.aplain, netip.AddrPortFrom(p.b1.ip4, proxy.HBONEPort), c.cert)
-			report(&flow{from: p.aplain, to: p.b1, dst: netip.AddrPortFrom(p.b1.ip4, proxy.HBONEPort), err: fmt.Errorf("%s: %w", c.name, orOK(err))})
+			report(&flow{from: p.aplain, to: p.b1, dst: netip.AddrPortFrom(p.b1.ip4, proxy.HBONEPort), err: fmt.Errorf("TLS with %s: %w", c.name, orOK(err))})
 			if err == nil {
 				t.Errorf("%s: b1:15008 answered the CONNECT", c.name)
 			}
@@ -139,10 +150,18 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 		}
 	})
 
-	t.Run("5 proxy killed fails closed and recovers; agent restart keeps flows", func(t *testing.T) {
+	step("5 proxy killed fails closed and recovers; agent restart keeps flows", func(t *testing.T) {
 		na.killProxy()
-		for _, v6 := range []bool{false, true} {
-			f := b.run(p.a1, p.b1, v6)
+		note("node-a's proxy killed (SIGKILL)")
+		// Both families at once: each waits for its connection to fail.
+		var down [2]*flow
+		var wg sync.WaitGroup
+		for i, v6 := range []bool{false, true} {
+			wg.Add(1)
+			go func() { defer wg.Done(); down[i] = b.run(p.a1, p.b1, v6) }()
+		}
+		wg.Wait()
+		for _, f := range down {
 			report(f)
 			if f.err == nil || f.visible || len(f.segments) > 0 {
 				t.Errorf("with the proxy down, a1 -> b1: %v, payload visible %v, %d segments on the underlay", f.err, f.visible, len(f.segments))
@@ -150,6 +169,7 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 		}
 		na.startProxy()
 		na.waitProxyReady()
+		note("node-a's proxy started again, ready; no pod restarted")
 		b.knows(na, p.a1, p.b1, true)
 		for _, v6 := range []bool{false, true} {
 			f := b.run(p.a1, p.b1, v6)
@@ -165,6 +185,7 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 		echo.roundTrip(t, marker)
 		connects := na.metric("mtlsbridge_proxy_xds_connects_total")
 		na.killAgent()
+		note("node-a's agent killed (SIGKILL); a long-lived connection a1 -> b1:8081 echoes on")
 		for range 3 {
 			echo.roundTrip(t, marker)
 			time.Sleep(100 * time.Millisecond)
@@ -174,6 +195,7 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 		expectMTLS(t, f)
 		na.startAgent()
 		na.waitAgent()
+		note("node-a's agent started again")
 		echo.roundTrip(t, marker)
 		b.eventually("node-a's proxy back on xDS", func() error {
 			if n := na.metric("mtlsbridge_proxy_xds_connects_total"); n <= connects {
@@ -192,11 +214,12 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 		}
 	})
 
-	t.Run("6 enrolled while running, then unenrolled", func(t *testing.T) {
+	step("6 enrolled while running, then unenrolled", func(t *testing.T) {
 		f := b.run(p.a3, p.b1, false)
 		report(f)
 		expectPlain(t, f, false)
 		b.setEnrolled(p.a3, true)
+		note("a3 labelled " + enrollment.RedirTypeLabel + "=" + enrollment.RedirTypeWorkload)
 		b.knows(na, p.a3, p.b1, true)
 		b.eventually("a3 redirected", func() error { return na.noBypass("a3") })
 		for _, v6 := range []bool{false, true} {
@@ -205,6 +228,7 @@ func runChecks(t *testing.T, b *bed, report func(*flow)) {
 			expectMTLS(t, f)
 		}
 		b.setEnrolled(p.a3, false)
+		note("a3's label removed")
 		// Until the agent has detached a3's program, a new connection
 		// may be refused by the proxy (a3 is no workload any more), never
 		// sent in clear through it.
