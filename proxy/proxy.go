@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"golang.org/x/net/http2"
 )
 
@@ -51,6 +52,8 @@ type Proxy struct {
 func New(cfg Config, log *slog.Logger) *Proxy {
 	cfg = cfg.withDefaults()
 	reg := prometheus.NewRegistry()
+	// The Go runtime's and the process's own, as any Prometheus endpoint.
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m := NewMetrics(reg)
 	state := NewState(cfg.NodeName)
 	return &Proxy{
