@@ -19,14 +19,16 @@ package proxy
 //	                -> mark, accept   (replies to connections made in a pod's name)
 //	  iifname eth0, TCP dport 15008 -> tproxy to 127.0.0.1:15008 / [::1]:15008, mark
 //	  iifname eth0, TCP other ports -> tproxy to 127.0.0.1:15001 / [::1]:15001, mark
+//	chain forward (filter): iifname eth0 -> drop
 //	ip rule fwmark MARK/MASK lookup TABLE;  TABLE: local 0.0.0.0/0 dev lo, local ::/0 dev lo
 //
 // The mark makes the routing decision local; TPROXY assigns the packet to
 // an established socket of the flow if there is one, else to the listener.
 // The listeners are on loopback: nothing reaches them except through TPROXY.
 // When no listener is there (the proxy died), TPROXY finds no socket, the
-// packet is not marked and, with forwarding off in the namespace, is
-// dropped: an enrolled pod's connection fails instead of leaving in clear.
+// packet is not marked, is not local, and the forward chain drops it: an
+// enrolled pod's connection fails instead of leaving in clear, whatever
+// the namespace's forwarding setting.
 //
 // Why TPROXY rather than sk_lookup (a BPF program choosing the socket):
 //   - no BPF object to build, load and pin in the proxy: the node agent
@@ -65,6 +67,7 @@ const (
 	DefaultRouteTable      = 133
 	DefaultRulePriority    = 32764
 	captureChain           = "prerouting"
+	captureForwardChain    = "forward"
 	ifnameSize             = unix.IFNAMSIZ
 	loopbackV4             = "127.0.0.1"
 	loopbackV6             = "::1"
@@ -222,6 +225,15 @@ func (c *Capture) writeRuleset(conn *nftables.Conn) error {
 		add(iif, proto, tcp(), dport(expr.CmpOpEq), c.tproxy(family.nfproto, family.addr, c.opts.HBONEPort))
 		add(iif, proto, tcp(), dport(expr.CmpOpNeq), c.tproxy(family.nfproto, family.addr, c.opts.OutboundPort))
 	}
+	// Nothing arriving on the interface is ever forwarded: what the
+	// capture did not take (no proxy listening) is dropped even where the
+	// namespace has forwarding on.
+	drop := nftables.ChainPolicyAccept
+	forward := conn.AddChain(&nftables.Chain{
+		Name: captureForwardChain, Table: table, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: &drop,
+	})
+	conn.AddRule(&nftables.Rule{Table: table, Chain: forward, Exprs: slices.Concat(iif, []expr.Any{&expr.Verdict{Kind: expr.VerdictDrop}})})
 	return conn.Flush()
 }
 

@@ -56,7 +56,7 @@ func TestCapture(t *testing.T) {
 	}
 	t.Cleanup(func() { c.Remove() })
 	if n := countRules(t, px); n != 6 {
-		t.Fatalf("%d rules after two installs, want the 6 of one", n)
+		t.Fatalf("%d prerouting rules after two installs, want the 6 of one", n)
 	}
 
 	// Pod ranges of node 1 (10.1.0.0/24, fd00:1::/64) are routed to px by
@@ -135,23 +135,30 @@ func TestCapture(t *testing.T) {
 }
 
 // TestCaptureFailsClosed: with the capture in place but no proxy listening
-// (a killed proxy), captured connections fail; nothing passes through.
+// (a killed proxy), captured connections fail, even though the namespace
+// forwards (netnstest's nodes do): nothing passes through.
 func TestCaptureFailsClosed(t *testing.T) {
 	netnstest.RequirePrivileged(t)
 	px, peer := netnstest.NewNodes(t)
-	px.Sysctl(t, "ipv4/ip_forward", "0")
-	px.Sysctl(t, "ipv6/conf/all/forwarding", "0")
+	// A server where the captured packets would go if forwarded: px
+	// routes 10.1.0.0/24 nowhere, so give it one on a pod of its own.
+	pod := px.AddPod(t, "target")
+	pod.Serve(t, "leaked", 8080, false, pod.IP4, pod.IP6)
+	if ans, err := peer.Ask(netip.AddrPortFrom(pod.IP4, 8080)); err != nil || ans.Server != "leaked" {
+		t.Fatalf("without capture, the pod behind px answers: %v %v", ans, err)
+	}
 	c, err := proxy.InstallCapture(proxy.CaptureOptions{Netns: px.Handle, Interface: netnstest.UplinkName})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Remove() })
 	var wg sync.WaitGroup
-	for _, target := range []string{"10.1.0.77:8080", "10.1.0.77:15008", "[fd00:1::77]:8080", "[fd00:1::77]:15008"} {
+	for _, target := range []netip.AddrPort{netip.AddrPortFrom(pod.IP4, 8080), netip.AddrPortFrom(pod.IP6, 8080),
+		netip.AddrPortFrom(pod.IP4, 15008)} {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if ans, err := peer.Ask(netip.MustParseAddrPort(target)); err == nil {
+			if ans, err := peer.Ask(target); err == nil {
 				t.Errorf("%s answered without a proxy: %s", target, ans)
 			}
 		}()
