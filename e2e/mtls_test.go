@@ -24,6 +24,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/nftables"
+	"github.com/vishvananda/netlink"
+
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/proxy"
@@ -242,6 +245,57 @@ func runChecks(t *testing.T, b *bed, out io.Writer) {
 		report(f)
 		expectPlain(t, f, false)
 	})
+
+	step("7 a proxy stopped cleanly removes its capture and still fails closed", func(t *testing.T) {
+		na.stopProxy()
+		note("node-a's proxy stopped (SIGTERM)")
+		if left := captureLeft(t, na.proxyPod); left != "" {
+			t.Errorf("after a clean exit: %s", left)
+		}
+		f := b.run(p.a1, p.b1, false)
+		report(f)
+		if f.err == nil || f.visible || len(f.segments) > 0 {
+			t.Errorf("without a proxy, a1 -> b1: %v, payload visible %v, %d segments on the underlay", f.err, f.visible, len(f.segments))
+		}
+		na.startProxy()
+		na.waitProxyReady()
+		note("node-a's proxy started again")
+		b.knows(na, p.a1, p.b1, true)
+		f = b.run(p.a1, p.b1, false)
+		report(f)
+		expectMTLS(t, f)
+	})
+}
+
+// captureLeft describes what of a proxy's capture is in its pod's
+// namespace: the nftables table, fwmark rules, routes of its table.
+func captureLeft(t *testing.T, pod *bedPod) string {
+	var left []string
+	conn, err := nftables.New(nftables.WithNetNSFd(int(pod.ns.Handle)))
+	must(t, err)
+	tables, err := conn.ListTablesOfFamily(nftables.TableFamilyINet)
+	must(t, err)
+	for _, tb := range tables {
+		if tb.Name == proxy.DefaultCaptureTable {
+			left = append(left, "table inet "+tb.Name)
+		}
+	}
+	h := pod.ns.Netlink(t)
+	for _, family := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
+		rules, err := h.RuleList(family)
+		must(t, err)
+		for _, r := range rules {
+			if r.Table == proxy.DefaultRouteTable {
+				left = append(left, "rule "+r.String())
+			}
+		}
+		routes, err := h.RouteListFiltered(family, &netlink.Route{Table: proxy.DefaultRouteTable}, netlink.RT_FILTER_TABLE)
+		must(t, err)
+		for _, r := range routes {
+			left = append(left, "route "+r.String())
+		}
+	}
+	return strings.Join(left, "; ")
 }
 
 // expectMTLS: the payload arrived intact with the source pod's address;

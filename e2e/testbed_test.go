@@ -265,6 +265,14 @@ func (n *bedNode) killProxy() {
 	n.proxy = nil
 }
 
+// stopProxy stops the proxy with SIGTERM: it removes its capture.
+func (n *bedNode) stopProxy() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.proxy.signal(syscall.SIGTERM)
+	n.proxy = nil
+}
+
 func (n *bedNode) stop() {
 	n.mu.Lock()
 	defer n.mu.Unlock()

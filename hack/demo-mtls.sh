@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The mTLS demo of make demo: builds everything, brings the two-node
 # testbed up (network namespaces, the built node agent with its BPF
 # datapath on each node, the built mtlsbridge-proxy in its own pod, pods
