@@ -42,6 +42,19 @@ type flow struct {
 	segments []netnstest.Segment
 }
 
+// plainSegments are the flow's underlay segments outside HBONE (neither
+// end on port 15008): when the source's proxy is gone, the HBONE
+// connections it held close, but nothing else may leave.
+func (f *flow) plainSegments() []netnstest.Segment {
+	var out []netnstest.Segment
+	for _, s := range f.segments {
+		if s.Src.Port() != proxy.HBONEPort && s.Dst.Port() != proxy.HBONEPort {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
 // enrolledLabel says which ends are enrolled.
 func (f *flow) enrolledLabel() string {
 	e := func(p *bedPod) string {

@@ -31,9 +31,12 @@ const (
 	h2FrameSize   = 64 << 10
 )
 
-// hboneTransport is the HTTP/2 client side: one ClientConn per tunnel.
+// newHBONETransport is the HTTP/2 client side: ClientConns made on the
+// proxy's own TLS connections, shared by tunnels (tunnelPool), closing
+// themselves after h2IdleTimeout without a stream.
 func newHBONETransport() *http2.Transport {
 	return &http2.Transport{
+		IdleConnTimeout:    h2IdleTimeout,
 		DisableCompression: true,
 		MaxHeaderListSize:  maxHeaderBytes,
 		MaxReadFrameSize:   h2FrameSize,
@@ -58,10 +61,9 @@ func newHBONEServer() *http2.Server {
 func forwardedFor(src netip.AddrPort) string { return `for="` + src.String() + `"` }
 
 // clientStream is an HBONE tunnel as one end of a relay: writes go into
-// the CONNECT's request body, reads come from its response body.
+// the CONNECT's request body, reads come from its response body. Closing
+// it ends the stream, not the connection it shares with others.
 type clientStream struct {
-	conn   net.Conn
-	cc     *http2.ClientConn
 	body   io.ReadCloser
 	pw     *io.PipeWriter
 	cancel context.CancelFunc
@@ -73,21 +75,17 @@ func (s *clientStream) Write(p []byte) (int, error) { return s.pw.Write(p) }
 // CloseWrite ends the request body: END_STREAM.
 func (s *clientStream) CloseWrite() error { return s.pw.Close() }
 
+// Close resets the stream if it is still open.
 func (s *clientStream) Close() error {
 	s.cancel()
 	s.pw.CloseWithError(net.ErrClosed)
-	s.body.Close()
-	s.cc.Close()
-	return s.conn.Close()
+	return s.body.Close()
 }
 
-// openTunnel sends CONNECT authority over an established HBONE
-// connection and returns the tunnel once the peer answered 200.
-func openTunnel(t *http2.Transport, conn net.Conn, authority string, forwarded string) (*clientStream, error) {
-	cc, err := t.NewClientConn(conn)
-	if err != nil {
-		return nil, err
-	}
+// openTunnel sends CONNECT authority on an HBONE connection (on which the
+// caller reserved a stream, or a new one) and returns the tunnel once the
+// peer answered 200.
+func openTunnel(cc *http2.ClientConn, authority string, forwarded string) (*clientStream, error) {
 	pr, pw := io.Pipe()
 	// The stream lives as long as the tunnel: its context ends at Close,
 	// or at connectTimeout if no answer comes.
@@ -107,7 +105,6 @@ func openTunnel(t *http2.Transport, conn net.Conn, authority string, forwarded s
 	fail := func(err error) (*clientStream, error) {
 		cancel()
 		pw.CloseWithError(err)
-		cc.Close()
 		return nil, err
 	}
 	if err != nil {
@@ -117,7 +114,7 @@ func openTunnel(t *http2.Transport, conn net.Conn, authority string, forwarded s
 		resp.Body.Close()
 		return fail(fmt.Errorf("%w: CONNECT %s: %s", ErrTunnelRefused, authority, resp.Status))
 	}
-	return &clientStream{conn: conn, cc: cc, body: resp.Body, pw: pw, cancel: cancel}, nil
+	return &clientStream{body: resp.Body, pw: pw, cancel: cancel}, nil
 }
 
 // serverStream is an accepted CONNECT as one end of a relay: reads come

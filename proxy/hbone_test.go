@@ -191,6 +191,24 @@ func TestHBONE(t *testing.T) {
 			t.Errorf("log does not name both identities:\n%s", l)
 		}
 	}
+
+	// A second and a third tunnel of the same pair, one while another is
+	// open: streams on the first connection, no new handshake.
+	open := h.connect(t, h.app)
+	for range 2 {
+		pod := h.connect(t, h.app)
+		pod.(*net.TCPConn).CloseWrite()
+		if got, err := io.ReadAll(pod); err != nil || !strings.HasPrefix(string(got), "hello "+hbWebIP+":") {
+			t.Fatalf("pooled tunnel read %q, %v", got, err)
+		}
+	}
+	open.Close()
+	if n := testutil.ToFloat64(h.a.metrics.TunnelsDialed); n != 1 {
+		t.Errorf("%v HBONE connections made for 4 tunnels of one pair, want 1", n)
+	}
+	if n := h.a.pool.size(); n != 1 {
+		t.Errorf("pool holds %d connections, want 1", n)
+	}
 }
 
 // TestHBONELarge: megabytes cross the tunnel both ways intact while the

@@ -29,6 +29,9 @@ type Metrics struct {
 	// reason (a subset of Refused).
 	HandshakeFailures *prometheus.CounterVec
 
+	// TunnelsDialed counts HBONE connections made (tunnels share them).
+	TunnelsDialed prometheus.Counter
+
 	XDSConnects  prometheus.Counter
 	XDSResponses *prometheus.CounterVec
 	XDSNACKs     *prometheus.CounterVec
@@ -67,6 +70,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "mtlsbridge_proxy_handshake_failures_total",
 			Help: "TLS handshakes that failed, by direction and reason",
 		}, []string{"direction", "reason"}),
+		TunnelsDialed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mtlsbridge_proxy_hbone_connections_dialed_total",
+			Help: "HBONE connections made to peers (tunnels are streams on them)",
+		}),
 		XDSConnects: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "mtlsbridge_proxy_xds_connects_total",
 			Help: "xDS streams opened (the first and every reconnection)",
@@ -97,7 +104,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"result"}),
 	}
 	reg.MustRegister(m.ConnectionsOpened, m.ConnectionsClosed, m.SentBytes, m.ReceivedBytes, m.Refused,
-		m.HandshakeFailures, m.XDSConnects, m.XDSResponses, m.XDSNACKs, m.Workloads, m.Policies,
+		m.HandshakeFailures, m.TunnelsDialed, m.XDSConnects, m.XDSResponses, m.XDSNACKs, m.Workloads, m.Policies,
 		m.CertificatesHeld, m.CertRequests)
 	return m
 }

@@ -8,6 +8,8 @@ import (
 	"errors"
 	"net"
 	"net/netip"
+
+	"golang.org/x/net/http2"
 )
 
 // handleOutbound serves a connection captured from a local pod: its remote
@@ -51,14 +53,51 @@ func (p *Proxy) outboundHBONE(ctx context.Context, conn *net.TCPConn, src, dst n
 		refuse("no-certificate", ErrNoCertificate)
 		return
 	}
+	key := tunnelKey{src: src.Addr(), dst: dst.Addr(), srcID: srcW.Identity, dstID: dstW.Identity}
+	var stream *clientStream
+	var err error
+	// A stream on a pooled connection first (its peer proved key.dstID
+	// when it was made); if that connection died meanwhile, a new one.
+	c := p.pool.reserve(key)
+	if c.cc != nil {
+		stream, err = openTunnel(c.cc, dst.String(), forwardedFor(src))
+		if err != nil && !errors.Is(err, ErrTunnelRefused) {
+			c.cc.SetDoNotReuse()
+			stream, err = nil, nil
+		}
+	}
+	if stream == nil && err == nil {
+		var ok bool
+		if c, ok = p.dialTunnel(ctx, conn, src, dst, srcW, dstW, cert); !ok {
+			return
+		}
+		p.pool.add(key, c)
+		stream, err = openTunnel(c.cc, dst.String(), forwardedFor(src))
+	}
+	if err != nil {
+		refuse("tunnel-refused", err)
+		return
+	}
+	p.opened(DirectionOutbound, ProtocolHBONE, src, dst, srcW.Identity, c.proved)
+	res := relay(ctx, p.bufs, newTCPStream(conn), stream, p.counters(DirectionOutbound, ProtocolHBONE))
+	p.closed(DirectionOutbound, ProtocolHBONE, src, dst, res)
+}
+
+// dialTunnel opens a new HBONE connection for a tunnel from src to dst: TCP
+// from the source pod's address to the destination's port 15008, then TLS
+// 1.3 where the peer must prove dstW's identity. A failure is refused
+// (the pod's connection reset, logged with both identities, counted).
+func (p *Proxy) dialTunnel(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW, dstW *Workload, cert *tls.Certificate) (pooledConn, bool) {
 	// The tunnel leaves from the pod's address, as ztunnel's does from
 	// inside the pod: the peer proxy sees the pod as the source, and
 	// Cilium's policy at the destination node sees the pod's identity.
 	tcp, err := dialFrom(ctx, src.Addr(), netip.AddrPortFrom(dst.Addr(), p.peerHBONEPort))
 	if err != nil {
-		refuse("connect-failed", err)
-		return
+		p.refuse(DirectionOutbound, "connect-failed", src, dst, srcW.Identity, dstW.Identity, err)
+		reset(conn)
+		return pooledConn{}, false
 	}
+	p.metrics.TunnelsDialed.Inc()
 	var proved string
 	tlsConn := newBatchedTLS(tcp, func(c net.Conn) *tls.Conn {
 		return tls.Client(c, clientTLS(cert, p.certs.Bundle(), p.cfg.TrustDomain, dstW.Identity, &proved))
@@ -66,23 +105,19 @@ func (p *Proxy) outboundHBONE(ctx context.Context, conn *net.TCPConn, src, dst n
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
 	err = tlsConn.HandshakeContext(hctx)
 	cancel()
+	var cc *http2.ClientConn
+	if err == nil {
+		cc, err = p.transport.NewClientConn(tlsConn)
+	}
 	if err != nil {
 		tlsConn.Close()
 		reason := handshakeReason(err)
 		p.metrics.HandshakeFailures.WithLabelValues(DirectionOutbound, reason).Inc()
 		p.refuse(DirectionOutbound, reason, src, dst, srcW.Identity, dstW.Identity+provedSuffix(proved), err)
 		reset(conn)
-		return
+		return pooledConn{}, false
 	}
-	stream, err := openTunnel(p.transport, tlsConn, dst.String(), forwardedFor(src))
-	if err != nil {
-		tlsConn.Close()
-		refuse("tunnel-refused", err)
-		return
-	}
-	p.opened(DirectionOutbound, ProtocolHBONE, src, dst, srcW.Identity, proved)
-	res := relay(ctx, p.bufs, newTCPStream(conn), stream, p.counters(DirectionOutbound, ProtocolHBONE))
-	p.closed(DirectionOutbound, ProtocolHBONE, src, dst, res)
+	return pooledConn{cc: cc, proved: proved}, true
 }
 
 func (p *Proxy) outboundPlain(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW *Workload) {

@@ -35,6 +35,7 @@ type Proxy struct {
 	certs *Certificates
 
 	transport *http2.Transport
+	pool      *tunnelPool
 	h2        *http2.Server
 	bufs      *buffers
 
@@ -62,6 +63,7 @@ func New(cfg Config, log *slog.Logger) *Proxy {
 		xds:           NewXDS(cfg, state, m, log),
 		certs:         NewCertificates(cfg, state, m, log),
 		transport:     newHBONETransport(),
+		pool:          newTunnelPool(),
 		h2:            newHBONEServer(),
 		bufs:          newBuffers(),
 		peerHBONEPort: HBONEPort,
@@ -148,6 +150,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	run(func() { p.xds.Run(ctx) })
 	run(func() { p.certs.Run(ctx) })
 	run(func() { p.watchReadiness(ctx) })
+	run(func() { p.sweepTunnels(ctx) })
 	for _, l := range outbound {
 		run(func() { p.accept(ctx, l, p.outboundSlots, DirectionOutbound, p.handleOutbound) })
 	}
@@ -160,6 +163,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	for _, l := range listeners {
 		l.Close()
 	}
+	p.pool.closeAll()
 	wg.Wait()
 	p.log.Info("Proxy stopped")
 	return nil
@@ -222,6 +226,20 @@ func (p *Proxy) watchReadiness(ctx context.Context) {
 			return
 		case <-certsChanged:
 		case <-stateChanged:
+		}
+	}
+}
+
+// sweepTunnels drops closed HBONE connections from the pool now and then.
+func (p *Proxy) sweepTunnels(ctx context.Context) {
+	t := time.NewTicker(h2IdleTimeout / 2)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			p.pool.sweep()
 		}
 	}
 }
