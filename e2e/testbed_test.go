@@ -153,6 +153,21 @@ func newBed(t testing.TB, c cluster) *bed {
 		})
 		b.nodes[i] = n
 	}
+	// Registered before anything starts: a setup that fails half-way
+	// stops what it started (cleanups run before the namespaces go).
+	t.Cleanup(func() {
+		for _, n := range b.nodes {
+			n.stop()
+		}
+		if t.Failed() {
+			for _, n := range b.nodes {
+				for _, f := range []string{"agent.log", "proxy.log"} {
+					log, _ := os.ReadFile(filepath.Join(n.stateDir, f))
+					t.Logf("%s %s (last 32 KiB):\n%s", n.name, f, log[max(0, len(log)-32<<10):])
+				}
+			}
+		}
+	})
 	c.init(b)
 	for _, n := range b.nodes {
 		n.startAgent()
@@ -168,19 +183,6 @@ func newBed(t testing.TB, c cluster) *bed {
 		n.waitProxyReady()
 	}
 	b.underlay = na.Capture(t, netnstest.UplinkName)
-	t.Cleanup(func() {
-		for _, n := range b.nodes {
-			n.stop()
-		}
-		if t.Failed() {
-			for _, n := range b.nodes {
-				for _, f := range []string{"agent.log", "proxy.log"} {
-					log, _ := os.ReadFile(filepath.Join(n.stateDir, f))
-					t.Logf("%s %s (last 32 KiB):\n%s", n.name, f, log[max(0, len(log)-32<<10):])
-				}
-			}
-		}
-	})
 	return b
 }
 
