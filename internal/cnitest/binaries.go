@@ -21,7 +21,7 @@ const PluginsEnv = "MTLSBRIDGE_CNI_PLUGINS"
 // Reference plugins, from PluginsEnv, and ours, built from this module.
 var (
 	referencePlugins = []string{"ptp", "static"}
-	ourCommands      = []string{"mtlsbridge", "mtlsbridge-cni"}
+	ourCommands      = []string{"mtlsbridge", "mtlsbridge-cni", "mtlsbridge-proxy"}
 )
 
 // Plugins returns the folder of the reference plugins ptp and static: that
@@ -54,9 +54,10 @@ func Plugins(t testing.TB) string {
 }
 
 // Binaries returns a folder for CNI_PATH holding ptp and static (Plugins)
-// and mtlsbridge and mtlsbridge-cni, built from this module's source (a few
-// seconds with a warm build cache). The folder is the test's and goes with
-// it; call Binaries once per test and hand the folder around.
+// and mtlsbridge, mtlsbridge-cni and mtlsbridge-proxy, built from this
+// module's source (a few seconds with a warm build cache). The folder is
+// the test's and goes with it; call Binaries once per test and hand the
+// folder around.
 func Binaries(t testing.TB) string {
 	t.Helper()
 	plugins := Plugins(t)

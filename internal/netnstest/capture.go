@@ -3,6 +3,7 @@
 package netnstest
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
 	"net/netip"
@@ -39,7 +40,16 @@ type Segment struct {
 	SYN, FIN, RST, ACK bool
 	// Payload is the number of TCP payload bytes.
 	Payload int
+	// Head is the payload's first bytes (up to HeadSize): enough to tell
+	// a TLS record (content type, version) from anything else.
+	Head []byte
+	// Marked is set when the payload holds a marker given to Watch.
+	Marked bool
+	marker []byte
 }
+
+// HeadSize is how many payload bytes a Segment keeps.
+const HeadSize = 5
 
 func (s Segment) String() string {
 	var flags []string
@@ -55,8 +65,12 @@ func (s Segment) String() string {
 	if s.Outgoing {
 		dir = "out"
 	}
-	return fmt.Sprintf("%s %s %s > %s [%s] len %d", s.Time.Format("15:04:05.000000"), dir, s.Src, s.Dst,
-		strings.Join(flags, ","), s.Payload)
+	marked := ""
+	if s.Marked {
+		marked = " MARKED"
+	}
+	return fmt.Sprintf("%s %s %s > %s [%s] len %d head %x%s", s.Time.Format("15:04:05.000000"), dir, s.Src, s.Dst,
+		strings.Join(flags, ","), s.Payload, s.Head, marked)
 }
 
 // Capture records the TCP segments that cross one interface of a
@@ -70,6 +84,30 @@ type Capture struct {
 	segments []Segment
 	dropped  int
 	err      error
+	// markers are byte strings the test looks for in payloads.
+	markers [][]byte
+}
+
+// Watch makes the capture look for marker in every TCP payload from now on
+// (Segment.Marked, Seen): a test proves that a payload crossed the wire in
+// clear, or never did. Choose markers much shorter than a segment and
+// repeat them in the payload, so that a segment boundary cannot hide every
+// copy.
+func (c *Capture) Watch(marker []byte) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.markers = append(c.markers, bytes.Clone(marker))
+}
+
+// Seen returns the segments whose payload held marker.
+func (c *Capture) Seen(marker []byte) []Segment {
+	var out []Segment
+	for _, s := range c.Segments() {
+		if s.Marked && s.marker != nil && bytes.Equal(s.marker, marker) {
+			out = append(out, s)
+		}
+	}
+	return out
 }
 
 // Capture starts recording TCP on the interface ifname of the namespace,
@@ -155,6 +193,10 @@ func (c *Capture) read() {
 			Time: at,
 			SYN:  tcp.SYN, FIN: tcp.FIN, RST: tcp.RST, ACK: tcp.ACK,
 			Payload: len(tcp.Payload),
+			Head:    bytes.Clone(tcp.Payload[:min(len(tcp.Payload), HeadSize)]),
+		}
+		if m := c.marker(tcp.Payload); m != nil {
+			s.Marked, s.marker = true, m
 		}
 		if ll, ok := from.(*unix.SockaddrLinklayer); ok {
 			s.Outgoing = ll.Pkttype == unix.PACKET_OUTGOING
@@ -169,6 +211,21 @@ func (c *Capture) read() {
 		s.Dst = netip.AddrPortFrom(dstAddr.Unmap(), uint16(tcp.DstPort))
 		c.add(s)
 	}
+}
+
+// marker returns the first watched marker the payload holds, or nil.
+func (c *Capture) marker(payload []byte) []byte {
+	if len(payload) == 0 {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, m := range c.markers {
+		if bytes.Contains(payload, m) {
+			return m
+		}
+	}
+	return nil
 }
 
 func (c *Capture) add(s Segment) {

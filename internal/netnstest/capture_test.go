@@ -42,6 +42,9 @@ func TestCapture(t *testing.T) {
 		must(t, h.LinkSetUp(l))
 	}
 	capA, capB := a.Capture(t, "va"), b.Capture(t, "vb")
+	sent, never := []byte("through the veth"), []byte("never sent")
+	capA.Watch(sent)
+	capA.Watch(never)
 
 	for i, dst := range []netip.Addr{addrs[b][0].Addr(), addrs[b][1].Addr()} {
 		var l net.Listener
@@ -90,6 +93,14 @@ func TestCapture(t *testing.T) {
 			waitSegment(t, side.c, func(s netnstest.Segment) bool {
 				return s.Src == from && s.Dst == to && s.SYN && !s.ACK && s.Outgoing == side.outgoing
 			})
+		}
+		// The payload is recognised, its head kept; what was not sent is
+		// not seen.
+		if seen := capA.Seen(sent); len(seen) == 0 || string(seen[0].Head) != msg[:netnstest.HeadSize] {
+			t.Errorf("marker of the payload seen in %v", seen)
+		}
+		if seen := capA.Seen(never); len(seen) != 0 {
+			t.Errorf("a marker never sent seen in %v", seen)
 		}
 		if i == 0 {
 			t.Logf("segments on va:")

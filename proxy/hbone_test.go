@@ -1,0 +1,403 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"istio.io/istio/pkg/workloadapi/security"
+
+	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
+)
+
+// Two proxies in one process, on loopback addresses standing for pods:
+// web (node-a, 127.0.0.11) behind proxy a, api (node-b, 127.0.0.12) behind
+// proxy b. Real TLS 1.3, real HTTP/2, certificates from a real CA
+// (identity.Authority); only the capture is left out (TestCapture and the
+// e2e tests cover it): the test hands a's outbound side a connection
+// directly, and b listens for HBONE on api's address.
+const (
+	hbWebIP   = "127.0.0.11"
+	hbAPIIP   = "127.0.0.12"
+	hbOtherIP = "127.0.0.13"
+	hbWebID   = "spiffe://cluster.local/ns/app/sa/web"
+	hbAPIID   = "spiffe://cluster.local/ns/app/sa/api"
+)
+
+type hbonePair struct {
+	t        *testing.T
+	ca       *identity.Authority
+	a, b     *Proxy
+	web, api *Workload
+	// app is api's application: "hello REMOTE\n", then an echo until EOF.
+	app netip.AddrPort
+	// appSaw receives the remote address of each connection app accepts.
+	appSaw chan netip.AddrPort
+	bLog   *syncBuffer
+	aLog   *syncBuffer
+}
+
+func newHBONEPair(t *testing.T) *hbonePair {
+	// Transparent sockets (the proxy's dials in a pod's name) need
+	// CAP_NET_ADMIN even for loopback addresses.
+	netnstest.RequirePrivileged(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	h := &hbonePair{t: t, ca: newAuthority(t), appSaw: make(chan netip.AddrPort, 16), aLog: &syncBuffer{}, bLog: &syncBuffer{}}
+	h.web = &Workload{UID: "web", Name: "web", Namespace: "app", Node: "node-a", Identity: hbWebID,
+		Addresses: []netip.Addr{netip.MustParseAddr(hbWebIP)}, HBONE: true}
+	h.api = &Workload{UID: "api", Name: "api", Namespace: "app", Node: "node-b", Identity: hbAPIID,
+		Addresses: []netip.Addr{netip.MustParseAddr(hbAPIIP)}, HBONE: true}
+	h.a = h.newProxy("node-a", h.aLog)
+	h.b = h.newProxy("node-b", h.bLog)
+	h.give(h.a, h.ca, hbWebID)
+	h.give(h.b, h.ca, hbAPIID)
+
+	// b's HBONE listener, on api's address.
+	l, err := net.Listen("tcp", hbAPIIP+":0")
+	must(t, err)
+	t.Cleanup(func() { l.Close() })
+	h.a.peerHBONEPort = uint16(l.Addr().(*net.TCPAddr).Port)
+	go h.b.accept(ctx, l, h.b.inboundSlots, DirectionInbound, h.b.handleInbound)
+
+	// api's application.
+	app, err := net.Listen("tcp", hbAPIIP+":0")
+	must(t, err)
+	t.Cleanup(func() { app.Close() })
+	h.app = addrPort(app.Addr())
+	go func() {
+		for {
+			c, err := app.Accept()
+			if err != nil {
+				return
+			}
+			h.appSaw <- addrPort(c.RemoteAddr())
+			go func() {
+				defer c.Close()
+				fmt.Fprintf(c, "hello %s\n", c.RemoteAddr())
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				io.Copy(c, c)
+			}()
+		}
+	}()
+	return h
+}
+
+func (h *hbonePair) newProxy(node string, log *syncBuffer) *Proxy {
+	p := New(Config{NodeName: node, TrustDomain: "cluster.local", IdleTimeout: time.Minute},
+		slog.New(slog.NewTextHandler(log, nil)))
+	web, api := *h.web, *h.api
+	p.state.putWorkload("web", &web)
+	p.state.putWorkload("api", &api)
+	return p
+}
+
+// give makes ca issue p a certificate of id, through the same checks as
+// a CA answer.
+func (h *hbonePair) give(p *Proxy, ca *identity.Authority, id string) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	must(h.t, err)
+	csrPEM, err := newCSR(key, id)
+	must(h.t, err)
+	block, _ := pem.Decode([]byte(csrPEM))
+	csr, err := x509.ParseCertificateRequest(block.Bytes)
+	must(h.t, err)
+	issued, err := ca.SignWorkload(csr, id, time.Hour)
+	must(h.t, err)
+	held, err := verifyChain(issued.ChainPEM, key, id, time.Now())
+	must(h.t, err)
+	p.certs.put(id, held)
+}
+
+func newAuthority(t *testing.T) *identity.Authority {
+	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", 24*time.Hour)
+	must(t, err)
+	m, err := identity.ParseMaterial(certPEM, keyPEM, nil)
+	must(t, err)
+	a := &identity.Authority{}
+	a.Set(m, nil)
+	return a
+}
+
+// connect plays web: it connects to a's outbound side as if captured,
+// and returns its end.
+func (h *hbonePair) connect(t testing.TB, dst netip.AddrPort) net.Conn {
+	l, err := net.Listen("tcp", hbWebIP+":0")
+	must(t, err)
+	defer l.Close()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(hbWebIP)}}
+	pod, err := d.Dial("tcp", l.Addr().String())
+	must(t, err)
+	t.Cleanup(func() { pod.Close() })
+	accepted, err := l.Accept()
+	must(t, err)
+	src := addrPort(pod.LocalAddr())
+	go h.a.outboundHBONE(context.Background(), accepted.(*net.TCPConn), src, dst, h.a.state.ByIP(src.Addr()), h.a.state.ByIP(dst.Addr()))
+	pod.SetDeadline(time.Now().Add(5 * time.Second))
+	return pod
+}
+
+// TestHBONE: a payload crosses the tunnel both ways with half-close, the
+// application sees web's address as the source, both proxies count one
+// HBONE connection and name both identities.
+func TestHBONE(t *testing.T) {
+	h := newHBONEPair(t)
+	pod := h.connect(t, h.app)
+	if _, err := pod.Write([]byte("ping\n")); err != nil {
+		t.Fatal(err)
+	}
+	pod.(*net.TCPConn).CloseWrite()
+	got, err := io.ReadAll(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "hello " + hbWebIP + ":"
+	if !strings.HasPrefix(string(got), want) || !strings.HasSuffix(string(got), "\nping\n") {
+		t.Fatalf("web read %q, want %q", got, want)
+	}
+	if saw := <-h.appSaw; saw.Addr() != netip.MustParseAddr(hbWebIP) {
+		t.Errorf("api saw the connection from %s, want web's address", saw)
+	}
+	eventually(t, func() bool {
+		return testutil.ToFloat64(h.a.metrics.ConnectionsClosed.WithLabelValues(DirectionOutbound, ProtocolHBONE)) == 1 &&
+			testutil.ToFloat64(h.b.metrics.ConnectionsClosed.WithLabelValues(DirectionInbound, ProtocolHBONE)) == 1
+	}, "both ends closed")
+	if n := testutil.ToFloat64(h.a.metrics.SentBytes.WithLabelValues(DirectionOutbound, ProtocolHBONE)); n != 5 {
+		t.Errorf("a counted %v bytes sent, want 5", n)
+	}
+	for _, l := range []string{h.aLog.String(), h.bLog.String()} {
+		if !strings.Contains(l, "sourceIdentity="+hbWebID) || !strings.Contains(l, "destinationIdentity="+hbAPIID) {
+			t.Errorf("log does not name both identities:\n%s", l)
+		}
+	}
+
+	// A second and a third tunnel of the same pair, one while another is
+	// open: streams on the first connection, no new handshake.
+	open := h.connect(t, h.app)
+	for range 2 {
+		pod := h.connect(t, h.app)
+		pod.(*net.TCPConn).CloseWrite()
+		if got, err := io.ReadAll(pod); err != nil || !strings.HasPrefix(string(got), "hello "+hbWebIP+":") {
+			t.Fatalf("pooled tunnel read %q, %v", got, err)
+		}
+	}
+	open.Close()
+	if n := testutil.ToFloat64(h.a.metrics.TunnelsDialed); n != 1 {
+		t.Errorf("%v HBONE connections made for 4 tunnels of one pair, want 1", n)
+	}
+	if n := h.a.pool.size(); n != 1 {
+		t.Errorf("pool holds %d connections, want 1", n)
+	}
+}
+
+// TestHBONELarge: megabytes cross the tunnel both ways intact while the
+// copy buffers switch between small and large.
+func TestHBONELarge(t *testing.T) {
+	h := newHBONEPair(t)
+	pod := h.connect(t, h.app)
+	pod.SetDeadline(time.Now().Add(30 * time.Second))
+	sent := make([]byte, 4<<20+123)
+	rand.Read(sent)
+	go func() {
+		pod.Write(sent)
+		pod.(*net.TCPConn).CloseWrite()
+	}()
+	got, err := io.ReadAll(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, echoed, _ := bytes.Cut(got, []byte("\n"))
+	if !bytes.Equal(echoed, sent) {
+		t.Fatalf("echoed %d bytes, sent %d; equal %v", len(echoed), len(sent), bytes.Equal(echoed, sent))
+	}
+}
+
+// TestHBONERefusals: every way a tunnel must not open, with the reason
+// each side counts. Never a byte reaches the application.
+func TestHBONERefusals(t *testing.T) {
+	h := newHBONEPair(t)
+	other := newAuthority(t) // a CA the mesh does not trust
+
+	t.Run("server is not the destination's identity", func(t *testing.T) {
+		// a's view of api's identity differs from what b proves.
+		wrong := *h.api
+		wrong.Identity = "spiffe://cluster.local/ns/app/sa/db"
+		h.a.state.putWorkload("api", &wrong)
+		defer h.a.state.putWorkload("api", h.api)
+		h.expectReset(t, h.connect(t, h.app))
+		h.expectCount(t, h.a.metrics.HandshakeFailures.WithLabelValues(DirectionOutbound, "identity-mismatch"), 1)
+		if l := h.aLog.String(); !strings.Contains(l, "sa/db (peer proved "+hbAPIID+")") {
+			t.Errorf("a's refusal does not name the identity wanted and the one proved:\n%s", l)
+		}
+	})
+	t.Run("no certificate for the source", func(t *testing.T) {
+		h.a.certs.drop(map[string]bool{})
+		defer h.give(h.a, h.ca, hbWebID)
+		h.expectReset(t, h.connect(t, h.app))
+		h.expectCount(t, h.a.metrics.Refused.WithLabelValues(DirectionOutbound, "no-certificate"), 1)
+	})
+	t.Run("client certificate of another CA", func(t *testing.T) {
+		rogue := &Proxy{certs: NewCertificates(Config{}, NewState("x"), h.a.metrics, nil)}
+		h.give(rogue, other, hbWebID)
+		h.rogue(t, rogue.certs.Get(hbWebID))
+		h.expectCount(t, h.b.metrics.HandshakeFailures.WithLabelValues(DirectionInbound, "bad-certificate"), 1)
+	})
+	t.Run("no client certificate", func(t *testing.T) {
+		h.rogue(t, nil)
+		h.expectCount(t, h.b.metrics.HandshakeFailures.WithLabelValues(DirectionInbound, "bad-certificate"), 2)
+	})
+	t.Run("not CONNECT", func(t *testing.T) {
+		resp := h.request(t, hbWebIP, http.MethodGet, h.app.String())
+		if resp.StatusCode != http.StatusMethodNotAllowed {
+			t.Errorf("GET answered %s", resp.Status)
+		}
+	})
+	t.Run("authority of another workload", func(t *testing.T) {
+		resp := h.request(t, hbWebIP, http.MethodConnect, hbOtherIP+":80")
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Errorf("CONNECT to another address answered %s", resp.Status)
+		}
+		h.expectCount(t, h.b.metrics.Refused.WithLabelValues(DirectionInbound, "authority-mismatch"), 1)
+	})
+	t.Run("source address of another identity", func(t *testing.T) {
+		resp := h.request(t, hbOtherIP, http.MethodConnect, h.app.String())
+		if resp.StatusCode != http.StatusForbidden {
+			t.Errorf("web's certificate from another address answered %s", resp.Status)
+		}
+		h.expectCount(t, h.b.metrics.Refused.WithLabelValues(DirectionInbound, "source-identity-mismatch"), 1)
+	})
+	t.Run("denied by policy", func(t *testing.T) {
+		h.b.state.putPolicy("app/deny-web", &security.Authorization{Name: "deny-web", Namespace: "app", Scope: security.Scope_NAMESPACE,
+			Action: security.Action_DENY, Groups: []*security.Group{{Rules: []*security.Rules{{Matches: []*security.Match{{
+				Principals: []*security.StringMatch{{MatchType: &security.StringMatch_Exact{Exact: "cluster.local/ns/app/sa/web"}}},
+			}}}}}}})
+		defer h.b.state.deletePolicy("app/deny-web")
+		h.expectReset(t, h.connect(t, h.app))
+		h.expectCount(t, h.b.metrics.Refused.WithLabelValues(DirectionInbound, "denied"), 1)
+		h.expectCount(t, h.a.metrics.Refused.WithLabelValues(DirectionOutbound, "tunnel-refused"), 1)
+	})
+	select {
+	case saw := <-h.appSaw:
+		t.Errorf("the application got a connection from %s", saw)
+	default:
+	}
+}
+
+// rogue connects to b's HBONE listener from web's address with cert (or
+// none), trusting any server, and expects the server to refuse it.
+func (h *hbonePair) rogue(t testing.TB, cert *tls.Certificate) {
+	t.Helper()
+	tcp, err := dialFrom(context.Background(), netip.MustParseAddr(hbWebIP), netip.AddrPortFrom(netip.MustParseAddr(hbAPIIP), h.a.peerHBONEPort))
+	must(t, err)
+	cfg := &tls.Config{InsecureSkipVerify: true, NextProtos: []string{"h2"}, MinVersion: tls.VersionTLS13}
+	if cert != nil {
+		cfg.Certificates = []tls.Certificate{*cert}
+	}
+	c := tls.Client(tcp, cfg)
+	defer c.Close()
+	err = c.Handshake()
+	if err == nil {
+		// TLS 1.3: the server's verdict on the client certificate arrives
+		// after the client's side of the handshake is done.
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+	}
+	if err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Errorf("a client with certificate %v was not refused: %v", cert != nil, err)
+	}
+}
+
+// expectReset: the pod's connection ends without data.
+func (h *hbonePair) expectReset(t testing.TB, pod net.Conn) {
+	t.Helper()
+	b, err := io.ReadAll(pod)
+	if len(b) > 0 || err == nil {
+		t.Errorf("refused connection read %q, %v; want a reset", b, err)
+	}
+}
+
+// expectCount waits until the counter reaches want.
+func (h *hbonePair) expectCount(t testing.TB, c prometheus.Counter, want float64) {
+	t.Helper()
+	eventually(t, func() bool { return testutil.ToFloat64(c) == want }, fmt.Sprintf("counter at %v (is %v)", want, testutil.ToFloat64(c)))
+}
+
+// request sends one HBONE request to b with web's certificate, from src.
+func (h *hbonePair) request(t testing.TB, src, method, authority string) *http.Response {
+	t.Helper()
+	tcp, err := dialFrom(context.Background(), netip.MustParseAddr(src), netip.AddrPortFrom(netip.MustParseAddr(hbAPIIP), h.a.peerHBONEPort))
+	must(t, err)
+	var proved string
+	conn := tls.Client(tcp, clientTLS(h.a.certs.Get(hbWebID), h.a.certs.Bundle(), "cluster.local", hbAPIID, &proved))
+	must(t, conn.Handshake())
+	t.Cleanup(func() { conn.Close() })
+	cc, err := newHBONETransport().NewClientConn(conn)
+	must(t, err)
+	req := &http.Request{Method: method, URL: &url.URL{Scheme: "https", Host: authority, Path: "/"}, Host: authority, Header: http.Header{}}
+	if method == http.MethodConnect {
+		req.URL = &url.URL{Host: authority}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	t.Cleanup(cancel)
+	resp, err := cc.RoundTrip(req.WithContext(ctx))
+	must(t, err)
+	return resp
+}
+
+// syncBuffer is a log sink safe for concurrent use.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// eventually polls cond (bounded: 10 s).
+func eventually(t testing.TB, cond func() bool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 10s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
