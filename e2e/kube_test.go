@@ -20,7 +20,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TestMTLSKubernetes runs the checks of TestMTLS with both node agents
@@ -91,12 +91,12 @@ func (c *kubeCluster) putPod(p *bedPod) {
 		if pod.Labels == nil {
 			pod.Labels = map[string]string{}
 		}
-		delete(pod.Labels, enrollment.RedirTypeLabel)
+		delete(pod.Labels, tables.RedirTypeLabel)
 		switch {
 		case p.isProxy:
-			pod.Labels[enrollment.RedirTypeLabel] = enrollment.RedirTypeProxy
+			pod.Labels[tables.RedirTypeLabel] = tables.RedirTypeProxy
 		case p.enrolled:
-			pod.Labels[enrollment.RedirTypeLabel] = enrollment.RedirTypeWorkload
+			pod.Labels[tables.RedirTypeLabel] = tables.RedirTypeWorkload
 		}
 	}
 	if !p.created {

@@ -31,7 +31,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/proxy"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TestMTLS proves on the two-node testbed, with a manifest folder as the
@@ -222,7 +222,7 @@ func runChecks(t *testing.T, b *bed, out io.Writer) {
 		report(f)
 		expectPlain(t, f, false)
 		b.setEnrolled(p.a3, true)
-		note("a3 labelled " + enrollment.RedirTypeLabel + "=" + enrollment.RedirTypeWorkload)
+		note("a3 labelled " + tables.RedirTypeLabel + "=" + tables.RedirTypeWorkload)
 		b.knows(na, p.a3, p.b1, true)
 		b.eventually("a3 redirected", func() error { return na.noBypass("a3") })
 		for _, v6 := range []bool{false, true} {

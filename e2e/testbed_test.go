@@ -29,7 +29,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/proxy"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // The two-node testbed of the mTLS proofs: nodes node-a and node-b are
@@ -646,9 +646,9 @@ func (c *folderCluster) putPod(p *bedPod) {
 	labels, annotations := "", ""
 	switch {
 	case p.isProxy:
-		labels = enrollment.RedirTypeLabel + ": " + enrollment.RedirTypeProxy
+		labels = tables.RedirTypeLabel + ": " + tables.RedirTypeProxy
 	case p.enrolled:
-		labels = enrollment.RedirTypeLabel + ": " + enrollment.RedirTypeWorkload
+		labels = tables.RedirTypeLabel + ": " + tables.RedirTypeWorkload
 	}
 	if p.published {
 		annotations = "mtlsbridge.io/redirect: ready"

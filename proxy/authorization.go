@@ -10,7 +10,7 @@ import (
 
 	"istio.io/istio/pkg/workloadapi/security"
 
-	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
+	"github.com/mtlsbridge/mtlsbridge/spiffe"
 )
 
 // Connection is what an Authorization policy is matched against: an

@@ -13,7 +13,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
+	"github.com/mtlsbridge/mtlsbridge/spiffe"
 )
 
 // Environment variables of ztunnel's contract, read with the same names and

@@ -7,7 +7,7 @@ import (
 	"crypto/x509"
 	"fmt"
 
-	"github.com/mtlsbridge/mtlsbridge/identity/spiffe"
+	"github.com/mtlsbridge/mtlsbridge/spiffe"
 )
 
 // alpnH2 is HBONE's only protocol.
