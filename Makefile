@@ -6,7 +6,7 @@ BIN       ?= bin/mtlsbridge
 PKGS      ?= ./...
 BENCHTIME ?= 1s
 
-.PHONY: all build test bench lint demo kube-assets cni-plugins clean generate check-generate
+.PHONY: all build test bench lint demo kube-assets cni-plugins cilium image clean generate check-generate
 
 all: build
 
@@ -24,8 +24,14 @@ kube-assets:
 cni-plugins:
 	./hack/cni-plugins.sh >/dev/null
 
-test: kube-assets cni-plugins
-	MTLSBRIDGE_KUBE_ASSETS=$$(./hack/kube-assets.sh) MTLSBRIDGE_CNI_PLUGINS=$$(./hack/cni-plugins.sh) $(GO) test -race -count=1 $(PKGS)
+# cilium downloads Cilium's Go module (its Helm chart and CRDs, used by the
+# Kubernetes tests; not a dependency of go.mod) into the module cache.
+cilium:
+	./hack/cilium.sh >/dev/null
+
+test: kube-assets cni-plugins cilium
+	MTLSBRIDGE_KUBE_ASSETS=$$(./hack/kube-assets.sh) MTLSBRIDGE_CNI_PLUGINS=$$(./hack/cni-plugins.sh) \
+		MTLSBRIDGE_CILIUM=$$(./hack/cilium.sh) $(GO) test -race -count=1 $(PKGS)
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
