@@ -168,6 +168,9 @@ func StartServer(t testing.TB, opts Options) *Server {
 		"--endpoint-reconciler-type=none",
 		// No controller-manager creates the default service accounts.
 		"--disable-admission-plugins=ServiceAccount",
+		// As on every cluster Cilium runs on: its DaemonSet has a privileged
+		// init container (mount-bpf-fs).
+		"--allow-privileged=true",
 	}
 	if opts.AuditPolicy != "" {
 		policy := filepath.Join(dir, "audit-policy.yaml")
