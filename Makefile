@@ -14,6 +14,16 @@ build:
 	$(GO) build -o $(BIN) ./cmd/mtlsbridge
 	$(GO) build -o $(dir $(BIN))mtlsbridge-cni ./cmd/mtlsbridge-cni
 
+# image writes the container image, built without a container engine from
+# this commit's static binaries: bin/image.tar (docker load, ctr image
+# import) and the OCI layout bin/image-oci. The same commit gives the same
+# digest: every time in it is the commit's (SOURCE_DATE_EPOCH).
+IMAGE_TAG ?= mtlsbridge:$(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+image:
+	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct) $(GO) run ./hack/image \
+		--revision=$$(git rev-parse HEAD) --version=$$(git describe --tags --always --dirty) \
+		--tag=$(IMAGE_TAG) --tarball=bin/image.tar --oci-layout=bin/image-oci
+
 # kube-assets builds kube-apiserver and etcd once (about 10 minutes cold) and
 # caches them under ~/.cache/mtlsbridge; later runs take no time.
 kube-assets:
