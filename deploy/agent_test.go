@@ -33,6 +33,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	pb "istio.io/api/security/v1alpha1"
 	authnv1 "k8s.io/api/authentication/v1"
+	authzv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -112,6 +113,13 @@ type cluster struct {
 	sidecar *corev1.Container
 	apiAddr string // the API server, as seen from inside the node
 	kubecfg string // the sidecar's credentials: a token of kube-system/cilium only
+	token   *rest.Config
+	// The current run's bpffs folder (each run starts without pins, so that
+	// it must load and attach the programs itself) and the CA folder (the
+	// Secret of create-ca-secret.sh as the kubelet mounts it).
+	bpfRoot string
+	caDir   string
+	secret  *corev1.Secret
 }
 
 func newCluster(t *testing.T) *cluster {
@@ -189,8 +197,11 @@ func newCluster(t *testing.T) *cluster {
 	}, ips(web)...)
 
 	c.apiAddr = forwardIntoNode(t, nodeA, strings.TrimPrefix(c.srv.Config.Host, "https://"))
-	c.kubecfg = sidecarKubeconfig(t, tokenConfig(t, c.srv.Config, c.admin, cilium), "https://"+c.apiAddr)
+	c.token = tokenConfig(t, c.srv.Config, c.admin, cilium)
+	c.kubecfg = sidecarKubeconfig(t, c.token, "https://"+c.apiAddr)
 	c.bin = buildAgent(t)
+	c.secret = createCASecret(t, "cluster.local")
+	c.caDir = writeSecretDir(t, c.secret)
 	return c
 }
 
@@ -275,13 +286,13 @@ type agentRun struct {
 // capabilities its securityContext adds and no others, in the node's
 // namespace. Only paths and the check interval differ from a cluster's:
 // the test's folders, its bpffs folder and uplink.
-func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin, bpfRoot, caDir string) *agentRun {
+func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []string) *agentRun {
 	t.Helper()
 	args := []string{filepath.Join(c.bin, "mtlsbridge")}
 	override := map[string]string{
 		"--state-dir":    stateDir,
-		"--bpf-root":     bpfRoot,
-		"--ca-dir":       caDir,
+		"--bpf-root":     c.bpfRoot,
+		"--ca-dir":       c.caDir,
 		"--cni-conf-dir": cniConf,
 		"--cni-bin-dir":  cniBin,
 		"--devices":      netnstest.UplinkName,
@@ -299,10 +310,6 @@ func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin, bpfRoot, caDir 
 	}
 	args = append(args, "--kubeconfig="+c.kubecfg, "--bypass-check-interval=1s")
 
-	caps := make([]string, 0, len(c.sidecar.SecurityContext.Capabilities.Add))
-	for _, cp := range c.sidecar.SecurityContext.Capabilities.Add {
-		caps = append(caps, string(cp))
-	}
 	spec, err := json.Marshal(execSpec{Netns: "/run/netns/" + c.node.Name, Caps: caps, Argv: args})
 	must(t, err)
 	r := &agentRun{log: filepath.Join(t.TempDir(), "agent.log"), stateDir: stateDir, cniConf: cniConf, cniBin: cniBin, done: make(chan struct{})}
@@ -383,17 +390,18 @@ func waitFor(t *testing.T, r *agentRun, what string, cond func() error) {
 	}
 }
 
-// freshRun gives a run its own state, CNI and CA folders: a CNI folder as
-// Cilium leaves it with the shipped ConfigMap, and the CA Secret of
-// create-ca-secret.sh as the kubelet mounts it.
-func (c *cluster) freshRun(t *testing.T, caDir string) *agentRun {
+// freshRun starts the agent with its own state and CNI folders (a CNI
+// folder as Cilium leaves it with the shipped ConfigMap) and the given
+// capabilities.
+func (c *cluster) freshRun(t *testing.T, caps []string) *agentRun {
 	t.Helper()
 	stateDir, err := os.MkdirTemp("", "mtlsb-") // short: UNIX socket paths
 	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(stateDir) })
 	cniConf, cniBin := t.TempDir(), t.TempDir()
 	must(t, os.WriteFile(filepath.Join(cniConf, "05-cilium.conflist"), []byte(shippedConflist(t, stateDir)), 0o600))
-	return c.start(t, stateDir, cniConf, cniBin, filepath.Join(netnstest.BPFRoot(t), "mtlsbridge"), caDir)
+	c.bpfRoot = filepath.Join(netnstest.BPFRoot(t), "mtlsbridge")
+	return c.start(t, stateDir, cniConf, cniBin, caps)
 }
 
 // shippedConflist is the ConfigMap's conflist for an agent whose state
@@ -486,6 +494,9 @@ func (c *cluster) reset(t *testing.T) {
 	must(t, err)
 	n, err := c.admin.CoreV1().Nodes().Get(ctx, "node-a", metav1.GetOptions{})
 	must(t, err)
+	if slices.ContainsFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == readyTaint }) {
+		return
+	}
 	n.Spec.Taints = append(n.Spec.Taints, corev1.Taint{Key: readyTaint, Effect: corev1.TaintEffectNoSchedule})
 	_, err = c.admin.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{})
 	must(t, err)
@@ -537,9 +548,7 @@ var forbiddenRE = regexp.MustCompile(`(?i)forbidden`)
 // does one granted but never used.
 func TestAgentLeastPrivilege(t *testing.T) {
 	c := newCluster(t)
-	secret := createCASecret(t, "cluster.local")
-	caDir := writeSecretDir(t, secret)
-	r := c.freshRun(t, caDir)
+	r := c.freshRun(t, capsOf(c.sidecar))
 
 	// The agent really runs with the sidecar's capabilities and no more.
 	want := capMask(t, capsOf(c.sidecar))
@@ -574,7 +583,7 @@ func TestAgentLeastPrivilege(t *testing.T) {
 	leaf, err := x509.ParseCertificate(block.Bytes)
 	must(t, err)
 	roots := x509.NewCertPool()
-	roots.AppendCertsFromPEM(secret.Data[identity.CACertFile])
+	roots.AppendCertsFromPEM(c.secret.Data[identity.CACertFile])
 	if _, err := leaf.Verify(x509.VerifyOptions{Roots: roots, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
 		t.Errorf("the leaf does not verify against the Secret's root: %v", err)
 	}
@@ -588,6 +597,10 @@ func TestAgentLeastPrivilege(t *testing.T) {
 		t.Errorf("the agent changed the conflist Cilium wrote (%v):\n%s", err, got)
 	}
 
+	// Refusals of the annotation's writes show in its table, not the log.
+	if out, err := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "db", "show", "ready-annotations", "--state-dir="+r.stateDir).CombinedOutput(); err != nil || forbiddenRE.Match(out) {
+		t.Errorf("ready-annotations (%v):\n%s", err, out)
+	}
 	r.stop()
 	if loc := forbiddenRE.FindStringIndex(r.logText()); loc != nil {
 		log := r.logText()
@@ -629,6 +642,183 @@ func TestAgentLeastPrivilege(t *testing.T) {
 	}
 	if len(unused) > 0 {
 		t.Errorf("the ClusterRole grants permissions the agent never used: %v", unused)
+	}
+}
+
+// sidecarConfig is the sidecar's identity, from the test's side.
+func (c *cluster) sidecarConfig(t *testing.T) *rest.Config { return rest.CopyConfig(c.token) }
+
+// setRules replaces the ClusterRole's rules with the shipped ones less the
+// permissions in without.
+func (c *cluster) setRules(t *testing.T, without ...permission) {
+	t.Helper()
+	drop := map[permission]bool{}
+	for _, p := range without {
+		drop[p] = true
+	}
+	var rules []rbacv1.PolicyRule
+	for _, r := range c.role.Rules {
+		for _, g := range r.APIGroups {
+			for _, res := range r.Resources {
+				for _, v := range r.Verbs {
+					if !drop[permission{g, res, v}] {
+						rules = append(rules, rbacv1.PolicyRule{APIGroups: []string{g}, Resources: []string{res}, Verbs: []string{v}})
+					}
+				}
+			}
+		}
+	}
+	// Background: this also runs in cleanups, after the test's context ends.
+	ctx := context.Background()
+	role, err := c.admin.RbacV1().ClusterRoles().Get(ctx, c.role.Name, metav1.GetOptions{})
+	must(t, err)
+	role.Rules = rules
+	_, err = c.admin.RbacV1().ClusterRoles().Update(ctx, role, metav1.UpdateOptions{})
+	must(t, err)
+	// The authorizer follows RBAC objects through a watch: wait until the
+	// sidecar's identity is refused each dropped permission, and granted
+	// the others, before an agent runs.
+	sidecar := kubernetes.NewForConfigOrDie(c.sidecarConfig(t))
+	deadline := time.Now().Add(waitLimit)
+	for p := range granted(c.role) {
+		for {
+			review, err := sidecar.AuthorizationV1().SelfSubjectAccessReviews().Create(ctx, &authzv1.SelfSubjectAccessReview{
+				Spec: authzv1.SelfSubjectAccessReviewSpec{ResourceAttributes: &authzv1.ResourceAttributes{
+					Group: p.group, Resource: p.resource, Verb: p.verb, Namespace: "app"}},
+			}, metav1.CreateOptions{})
+			must(t, err)
+			if review.Status.Allowed != drop[p] {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("RBAC still says %v is allowed=%v", p, review.Status.Allowed)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+}
+
+// logSays waits until the agent's log has every one of parts on one line.
+func logSays(t *testing.T, r *agentRun, parts ...string) {
+	t.Helper()
+	waitFor(t, r, fmt.Sprintf("a log line with %q", parts), func() error {
+		for _, line := range strings.Split(r.logText(), "\n") {
+			ok := true
+			for _, p := range parts {
+				ok = ok && strings.Contains(line, p)
+			}
+			if ok {
+				return nil
+			}
+		}
+		return fmt.Errorf("no such line yet")
+	})
+}
+
+// shellSays waits until the output of a shell command of the agent (what
+// an operator runs: `mtlsbridge shell -- health`, `db/show TABLE`) has
+// every one of parts.
+func shellSays(t *testing.T, c *cluster, r *agentRun, command []string, parts ...string) {
+	t.Helper()
+	waitFor(t, r, fmt.Sprintf("%q in the output of %q", parts, command), func() error {
+		args := append([]string{"shell", "--state-dir=" + r.stateDir, "--"}, command...)
+		out, err := exec.Command(filepath.Join(c.bin, "mtlsbridge"), args...).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%v: %s", err, out)
+		}
+		for _, p := range parts {
+			if !strings.Contains(string(out), p) {
+				return fmt.Errorf("not yet:\n%s", out)
+			}
+		}
+		return nil
+	})
+}
+
+// neverReady checks that the readiness probe fails now and still fails a
+// while later (a working agent is ready within a second here).
+func neverReady(t *testing.T, c *cluster, r *agentRun) {
+	t.Helper()
+	for range 2 {
+		if err := r.probe(c.sidecar.ReadinessProbe, c.bin); err == nil {
+			out, _ := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "shell", "--state-dir="+r.stateDir, "--", "db/initialized", "--timeout=1s").CombinedOutput()
+			t.Errorf("the agent reports ready:\n%s", out)
+			return
+		}
+		time.Sleep(5 * time.Second)
+	}
+}
+
+// TestAgentNeedsEachGrant: without one of the permissions or capabilities
+// the shipped deployment grants, the agent fails in a way an operator
+// sees (its log names what it was refused; readiness fails where the
+// agent cannot work at all).
+func TestAgentNeedsEachGrant(t *testing.T) {
+	c := newCluster(t)
+	all := capsOf(c.sidecar)
+	for _, tc := range []struct {
+		name    string
+		without []permission
+		dropCap string
+		check   func(t *testing.T, r *agentRun)
+	}{
+		{name: "patch pods", without: []permission{{"", "pods", "patch"}}, check: func(t *testing.T, r *agentRun) {
+			// The annotation reconciler's row carries the refusal.
+			shellSays(t, c, r, []string{"db/show", "ready-annotations"}, "app/web", "is forbidden", "cannot patch resource")
+			if c.webAnnotated() == nil {
+				t.Error("app/web annotated without the permission")
+			}
+		}},
+		{name: "update nodes", without: []permission{{"", "nodes", "update"}}, check: func(t *testing.T, r *agentRun) {
+			// The agent only reports it as its module's health, which
+			// neither its log nor its shell shows (see deploy/README.md):
+			// the API server's audit log is where it shows.
+			waitFor(t, r, "a refused update of node-a in the audit log", func() error {
+				if _, refused, _ := c.used(t); refused[permission{"", "nodes", "update"}] == 0 {
+					return fmt.Errorf("not yet")
+				}
+				return nil
+			})
+			if c.taintGone() == nil {
+				t.Error("taint removed without the permission")
+			}
+		}},
+		{name: "create tokenreviews", without: []permission{{"authentication.k8s.io", "tokenreviews", "create"}}, check: func(t *testing.T, r *agentRun) {
+			waitFor(t, r, "the readiness probe", func() error { return r.probe(c.sidecar.ReadinessProbe, c.bin) })
+			if _, err := c.caRequest(t, r); err == nil || !strings.Contains(err.Error(), "forbidden") {
+				t.Errorf("certificate request without TokenReview: %v, want refused, naming forbidden", err)
+			}
+			logSays(t, r, "forbidden", "tokenreviews")
+		}},
+		{name: "watch ciliumendpoints", without: []permission{{"cilium.io", "ciliumendpoints", "watch"}, {"cilium.io", "ciliumendpoints", "list"}},
+			check: func(t *testing.T, r *agentRun) {
+				logSays(t, r, "forbidden", "ciliumendpoints")
+				neverReady(t, c, r)
+			}},
+		{name: "capability BPF", dropCap: "BPF", check: func(t *testing.T, r *agentRun) {
+			logSays(t, r, "operation not permitted")
+			neverReady(t, c, r)
+		}},
+		{name: "capability NET_ADMIN", dropCap: "NET_ADMIN", check: func(t *testing.T, r *agentRun) {
+			logSays(t, r, "operation not permitted")
+			neverReady(t, c, r)
+		}},
+		{name: "capability PERFMON", dropCap: "PERFMON", check: func(t *testing.T, r *agentRun) {
+			logSays(t, r, "permission denied")
+			neverReady(t, c, r)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c.reset(t)
+			c.setRules(t, tc.without...)
+			t.Cleanup(func() { c.setRules(t) })
+			caps := slices.DeleteFunc(slices.Clone(all), func(cp string) bool { return cp == tc.dropCap })
+			if tc.dropCap != "" && len(caps) == len(all) {
+				t.Fatalf("the sidecar does not add %s", tc.dropCap)
+			}
+			r := c.freshRun(t, caps)
+			tc.check(t, r)
+		})
 	}
 }
 
