@@ -10,10 +10,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 
 	"k8s.io/client-go/rest"
+	"sigs.k8s.io/yaml"
 )
 
 const (
@@ -91,4 +93,68 @@ func moduleRoot() (string, error) {
 		return "", errors.New("go env GOMOD: not inside a module")
 	}
 	return filepath.Dir(gomod), nil
+}
+
+// ApplyCiliumCRDsWithout applies Cilium's CRDs with every schema property
+// named property removed, wherever it is nested: the schema of a Cilium
+// version that has dropped the field (CiliumNetworkPolicy's
+// authentication is planned to go). The API server then prunes the field
+// from objects it stores.
+func ApplyCiliumCRDsWithout(t testing.TB, cfg *rest.Config, property string) {
+	t.Helper()
+	src := CiliumCRDs(t)
+	files, err := filepath.Glob(filepath.Join(src, "*.yaml"))
+	if err != nil {
+		t.Fatalf("kubetest: %v", err)
+	}
+	dir := t.TempDir()
+	removed := 0
+	for _, file := range files {
+		objs, err := readCRDs(file)
+		if err != nil {
+			t.Fatalf("kubetest: %v", err)
+		}
+		var out []byte
+		for _, obj := range objs {
+			removed += removeProperty(obj.Object, property)
+			data, err := yaml.Marshal(obj.Object)
+			if err != nil {
+				t.Fatalf("kubetest: %v", err)
+			}
+			out = append(append(out, "---\n"...), data...)
+		}
+		if err := os.WriteFile(filepath.Join(dir, filepath.Base(file)), out, 0o600); err != nil {
+			t.Fatalf("kubetest: %v", err)
+		}
+	}
+	if removed == 0 {
+		t.Fatalf("kubetest: no schema of Cilium's CRDs has a property %q", property)
+	}
+	ApplyCRDs(t, cfg, dir)
+}
+
+// removeProperty deletes name from every "properties" map under v (and
+// from the "required" lists beside them), and returns how many it deleted.
+func removeProperty(v any, name string) int {
+	n := 0
+	switch v := v.(type) {
+	case map[string]any:
+		if props, ok := v["properties"].(map[string]any); ok {
+			if _, ok := props[name]; ok {
+				delete(props, name)
+				n++
+				if req, ok := v["required"].([]any); ok {
+					v["required"] = slices.DeleteFunc(req, func(r any) bool { return r == name })
+				}
+			}
+		}
+		for _, child := range v {
+			n += removeProperty(child, name)
+		}
+	case []any:
+		for _, child := range v {
+			n += removeProperty(child, name)
+		}
+	}
+	return n
 }
