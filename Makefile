@@ -6,13 +6,23 @@ BIN       ?= bin/mtlsbridge
 PKGS      ?= ./...
 BENCHTIME ?= 1s
 
-.PHONY: all build test bench lint demo kube-assets cni-plugins clean generate check-generate
+.PHONY: all build test bench lint demo kube-assets cni-plugins cilium image clean generate check-generate
 
 all: build
 
 build:
 	$(GO) build -o $(BIN) ./cmd/mtlsbridge
 	$(GO) build -o $(dir $(BIN))mtlsbridge-cni ./cmd/mtlsbridge-cni
+
+# image writes the container image, built without a container engine from
+# this commit's static binaries: bin/image.tar (docker load, ctr image
+# import) and the OCI layout bin/image-oci. The same commit gives the same
+# digest: every time in it is the commit's (SOURCE_DATE_EPOCH).
+IMAGE_TAG ?= mtlsbridge:$(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+image:
+	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct) $(GO) run ./hack/image \
+		--revision=$$(git rev-parse HEAD) --version=$$(git describe --tags --always --dirty) \
+		--tag=$(IMAGE_TAG) --tarball=bin/image.tar --oci-layout=bin/image-oci
 
 # kube-assets builds kube-apiserver and etcd once (about 10 minutes cold) and
 # caches them under ~/.cache/mtlsbridge; later runs take no time.
@@ -24,8 +34,14 @@ kube-assets:
 cni-plugins:
 	./hack/cni-plugins.sh >/dev/null
 
-test: kube-assets cni-plugins
-	MTLSBRIDGE_KUBE_ASSETS=$$(./hack/kube-assets.sh) MTLSBRIDGE_CNI_PLUGINS=$$(./hack/cni-plugins.sh) $(GO) test -race -count=1 $(PKGS)
+# cilium downloads Cilium's Go module (its Helm chart and CRDs, used by the
+# Kubernetes tests; not a dependency of go.mod) into the module cache.
+cilium:
+	./hack/cilium.sh >/dev/null
+
+test: kube-assets cni-plugins cilium
+	MTLSBRIDGE_KUBE_ASSETS=$$(./hack/kube-assets.sh) MTLSBRIDGE_CNI_PLUGINS=$$(./hack/cni-plugins.sh) \
+		MTLSBRIDGE_CILIUM=$$(./hack/cilium.sh) $(GO) test -race -count=1 $(PKGS)
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)

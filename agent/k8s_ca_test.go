@@ -44,7 +44,7 @@ import (
 // gets a certificate, and only for a pod of this node.
 func TestKubernetesCA(t *testing.T) {
 	cfg := kubetest.Start(t)
-	kubetest.ApplyCRDs(t, cfg, "../testdata/crds")
+	kubetest.ApplyCiliumCRDs(t, cfg)
 	ctx := t.Context()
 	kube := kubernetes.NewForConfigOrDie(cfg)
 

@@ -40,7 +40,7 @@ var (
 // and endpoints as they are created, changed and deleted.
 func TestKubernetesSource(t *testing.T) {
 	cfg := kubetest.Start(t)
-	kubetest.ApplyCRDs(t, cfg, "../testdata/crds")
+	kubetest.ApplyCiliumCRDs(t, cfg)
 	ctx := t.Context()
 	kube := kubernetes.NewForConfigOrDie(cfg)
 	dyn := dynamic.NewForConfigOrDie(cfg)
@@ -130,8 +130,9 @@ func TestKubernetesSource(t *testing.T) {
 			reason(txn, "app/web") == enrollment.ReasonOptOut
 	})
 
-	// Step 4: a CCNP scoped to the namespace takes over api; a policy with an
-	// unknown mode is recorded with its error and enrolls nothing.
+	// Step 4: a CCNP scoped to the namespace takes over api; a policy that
+	// Cilium's schema admits but whose selector is invalid (In without
+	// values) is recorded with its error and enrolls nothing.
 	createObject(t, dyn, ccnpGVR, "", map[string]any{
 		"apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
 		"metadata": map[string]any{"name": "app-api"},
@@ -143,16 +144,16 @@ func TestKubernetesSource(t *testing.T) {
 	})
 	createObject(t, dyn, cnpGVR, "app", map[string]any{
 		"apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
-		"metadata": map[string]any{"name": "bad-mode", "namespace": "app"},
+		"metadata": map[string]any{"name": "bad-selector", "namespace": "app"},
 		"spec": map[string]any{
-			"endpointSelector": map[string]any{},
-			"ingress":          []any{map[string]any{"authentication": map[string]any{"mode": "strict"}}},
+			"endpointSelector": map[string]any{"matchExpressions": []any{map[string]any{"key": "app", "operator": "In"}}},
+			"ingress":          []any{map[string]any{"authentication": map[string]any{"mode": "required"}}},
 		},
 	})
 	wait("api enrolled by the CCNP, bad policy recorded", func(txn statedb.ReadTxn) bool {
-		p, _, ok := policies.Get(txn, tables.PolicyByKey("cnp/app/bad-mode"))
+		p, _, ok := policies.Get(txn, tables.PolicyByKey("cnp/app/bad-selector"))
 		return reason(txn, "app/api") == "policy:ccnp/app-api" && ok &&
-			p.Error == `spec.ingress[0].authentication.mode: unknown mode "strict" (want disabled, required or test-always-fail)`
+			p.Error == `spec.endpointSelector: values: Invalid value: null: for 'in', 'notin' operators, values set can't be empty`
 	})
 
 	// Step 5: deletes. The CCNP goes (api falls back to the namespace label),

@@ -51,7 +51,7 @@ type kubeCluster struct {
 
 func newKubeCluster(t testing.TB) *kubeCluster {
 	cfg := kubetest.Start(t)
-	kubetest.ApplyCRDs(t, cfg, "../testdata/crds")
+	kubetest.ApplyCiliumCRDs(t, cfg)
 	u, err := url.Parse(cfg.Host)
 	must(t, err)
 	return &kubeCluster{t: t, kube: kubernetes.NewForConfigOrDie(cfg), host: u.Host, kubeconfig: kubetest.WriteKubeconfig(t, cfg)}

@@ -100,6 +100,29 @@ func AssetsDir() (string, error) {
 // how to build them, or fails it when MTLSBRIDGE_REQUIRE_PRIVILEGED=1.
 func Start(t testing.TB) *rest.Config {
 	t.Helper()
+	return StartServer(t, Options{}).Config
+}
+
+// Options change how StartServer runs kube-apiserver.
+type Options struct {
+	// AuditPolicy, when set, is an audit.k8s.io/v1 Policy (YAML): the server
+	// writes the events it selects to Server.AuditLog, one JSON object a
+	// line, before it answers each request (the log backend's blocking mode),
+	// so that a request answered is a request logged.
+	AuditPolicy string
+}
+
+// Server is a running kube-apiserver.
+type Server struct {
+	// Config is a cluster admin's (group system:masters).
+	Config *rest.Config
+	// AuditLog is the audit log file, empty without Options.AuditPolicy.
+	AuditLog string
+}
+
+// StartServer is Start with options.
+func StartServer(t testing.TB, opts Options) *Server {
+	t.Helper()
 
 	etcdBin, apiserverBin := findBinaries(t)
 	dir := t.TempDir()
@@ -126,25 +149,43 @@ func Start(t testing.TB) *rest.Config {
 		t.Fatalf("kubetest: %v", err)
 	}
 
-	apiserver := startProcess(t, "kube-apiserver", apiserverBin, filepath.Join(dir, "kube-apiserver.log"),
-		"--etcd-servers="+etcdURL,
+	srv := &Server{}
+	args := []string{
+		"--etcd-servers=" + etcdURL,
 		"--bind-address=127.0.0.1",
 		// Advertise loopback too, rather than an address of the host's
 		// default route (which a sandbox may not have).
 		"--advertise-address=127.0.0.1",
-		"--secure-port="+strconv.Itoa(port),
-		"--cert-dir="+certDir,
+		"--secure-port=" + strconv.Itoa(port),
+		"--cert-dir=" + certDir,
 		"--service-cluster-ip-range=10.0.0.0/24",
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-		"--service-account-key-file="+saKey,
-		"--service-account-signing-key-file="+saKey,
-		"--token-auth-file="+tokens,
+		"--service-account-key-file=" + saKey,
+		"--service-account-signing-key-file=" + saKey,
+		"--token-auth-file=" + tokens,
 		"--authorization-mode=RBAC",
 		// The default reconciler refuses a loopback advertise address.
 		"--endpoint-reconciler-type=none",
 		// No controller-manager creates the default service accounts.
 		"--disable-admission-plugins=ServiceAccount",
-	)
+		// As on every cluster Cilium runs on: its DaemonSet has a privileged
+		// init container (mount-bpf-fs).
+		"--allow-privileged=true",
+	}
+	if opts.AuditPolicy != "" {
+		policy := filepath.Join(dir, "audit-policy.yaml")
+		if err := os.WriteFile(policy, []byte(opts.AuditPolicy), 0o600); err != nil {
+			t.Fatalf("kubetest: %v", err)
+		}
+		srv.AuditLog = filepath.Join(dir, "audit.log")
+		args = append(args,
+			"--audit-policy-file="+policy,
+			"--audit-log-path="+srv.AuditLog,
+			"--audit-log-format=json",
+			"--audit-log-mode=blocking",
+		)
+	}
+	apiserver := startProcess(t, "kube-apiserver", apiserverBin, filepath.Join(dir, "kube-apiserver.log"), args...)
 
 	host := "https://" + net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
 	certFile := filepath.Join(certDir, "apiserver.crt")
@@ -168,7 +209,8 @@ func Start(t testing.TB) *rest.Config {
 	if err != nil {
 		t.Fatalf("kubetest: kube-apiserver at %s is not ready: %v\n%s", host, err, apiserver.logTail())
 	}
-	return cfg
+	srv.Config = cfg
+	return srv
 }
 
 // ApplyCRDs applies every *.yaml file in dir, each holding one or more
@@ -185,7 +227,11 @@ func ApplyCRDs(t testing.TB, cfg *rest.Config, dir string) {
 	if len(files) == 0 {
 		t.Fatalf("kubetest: no *.yaml files in %s", dir)
 	}
-	client, err := dynamic.NewForConfig(cfg)
+	// Cilium's schemas use the "idn-hostname" format, which the API server
+	// does not know and warns about on every apply: noise, not news.
+	quiet := rest.CopyConfig(cfg)
+	quiet.WarningHandler = rest.NoWarnings{}
+	client, err := dynamic.NewForConfig(quiet)
 	if err != nil {
 		t.Fatalf("kubetest: %v", err)
 	}

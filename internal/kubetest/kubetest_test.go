@@ -25,10 +25,10 @@ func TestStart(t *testing.T) {
 	cfg := kubetest.Start(t)
 	t.Logf("kube-apiserver ready in %s", time.Since(start).Round(time.Millisecond))
 	start = time.Now()
-	kubetest.ApplyCRDs(t, cfg, "../../testdata/crds")
+	kubetest.ApplyCiliumCRDs(t, cfg)
 	t.Logf("CRDs established in %s", time.Since(start).Round(time.Millisecond))
 	// Applying again must be harmless.
-	kubetest.ApplyCRDs(t, cfg, "../../testdata/crds")
+	kubetest.ApplyCiliumCRDs(t, cfg)
 
 	ctx := t.Context()
 	kube, err := kubernetes.NewForConfig(cfg)
@@ -107,9 +107,11 @@ func TestStart(t *testing.T) {
 		"apiVersion": "cilium.io/v2",
 		"kind":       "CiliumClusterwideNetworkPolicy",
 		"metadata":   map[string]any{"name": "cluster-rule"},
+		// Cilium's schema wants one selector and at least one direction
+		// in every rule.
 		"specs": []any{
-			map[string]any{"endpointSelector": map[string]any{}},
-			map[string]any{"nodeSelector": map[string]any{}},
+			map[string]any{"endpointSelector": map[string]any{}, "ingress": []any{map[string]any{}}},
+			map[string]any{"nodeSelector": map[string]any{}, "egress": []any{map[string]any{}}},
 		},
 	}}
 	if _, err := dyn.Resource(ccnpGVR).Create(ctx, ccnp, metav1.CreateOptions{}); err != nil {

@@ -23,7 +23,7 @@ import (
 func TestReadyTaint(t *testing.T) {
 	nd := newNode(t)
 	cfg := kubetest.Start(t)
-	kubetest.ApplyCRDs(t, cfg, "../../testdata/crds")
+	kubetest.ApplyCiliumCRDs(t, cfg)
 	kube := kubernetes.NewForConfigOrDie(cfg)
 	ctx := t.Context()
 	const taintKey = "mtlsbridge.io/agent-not-ready"

@@ -23,7 +23,7 @@ import (
 func TestPublishReady(t *testing.T) {
 	c := newCluster(t)
 	cfg := kubetest.Start(t)
-	kubetest.ApplyCRDs(t, cfg, "../../testdata/crds")
+	kubetest.ApplyCiliumCRDs(t, cfg)
 	kube := kubernetes.NewForConfigOrDie(cfg)
 	ctx := t.Context()
 

@@ -1,0 +1,204 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package deploy_test
+
+import (
+	"encoding/json"
+	"os"
+	"path"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"sigs.k8s.io/yaml"
+
+	"github.com/mtlsbridge/mtlsbridge/cni/install"
+	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
+)
+
+// TestCiliumChartRendersSidecar renders Cilium's chart with the shipped
+// values and checks the DaemonSet it would run: the sidecar as written, its
+// mounts on volumes that exist, the folders behind its flags on the host,
+// the identity it runs as, and its privileges.
+func TestCiliumChartRendersSidecar(t *testing.T) {
+	objs := renderCilium(t)
+	ds, c := ciliumDaemonSet(t, objs)
+	pod := ds.Spec.Template.Spec
+
+	// The chart copies extraContainers verbatim: what runs is what the
+	// values say, field for field.
+	data, err := os.ReadFile(valuesFile)
+	must(t, err)
+	var values struct {
+		ExtraContainers []corev1.Container `json:"extraContainers"`
+		ExtraVolumes    []corev1.Volume    `json:"extraVolumes"`
+	}
+	must(t, yaml.Unmarshal(data, &values))
+	if len(values.ExtraContainers) != 1 || !reflect.DeepEqual(values.ExtraContainers[0], *c) {
+		t.Errorf("the rendered sidecar differs from the values' extraContainers[0]:\nrendered %+v\nvalues   %+v", *c, values.ExtraContainers)
+	}
+
+	// Every mount names a volume of the pod, and extraVolumes never
+	// redefine one of Cilium's (a duplicate name is rejected by the API
+	// server, or worse, shadows Cilium's).
+	volumes := map[string]corev1.Volume{}
+	for _, v := range pod.Volumes {
+		if _, dup := volumes[v.Name]; dup {
+			t.Errorf("volume %s is defined twice in the pod", v.Name)
+		}
+		volumes[v.Name] = v
+	}
+	for _, m := range c.VolumeMounts {
+		if _, ok := volumes[m.Name]; !ok {
+			t.Errorf("mount %s at %s: the pod has no such volume", m.Name, m.MountPath)
+		}
+	}
+	for _, v := range values.ExtraVolumes {
+		if !strings.HasPrefix(v.Name, "mtlsbridge-") {
+			t.Errorf("extra volume %s: name it mtlsbridge-*, so that it never collides with Cilium's", v.Name)
+		}
+	}
+
+	// The folders behind the agent's flags, as the host sees them. The
+	// state folder must be the same path inside and outside: the CNI
+	// plugin, run by the container runtime on the host, reads it from the
+	// conflist.
+	fs := agentFlags(t, c, map[string]string{"HOST_IP": "192.0.2.1"})
+	host := func(flag string) string {
+		p := flagString(t, fs, flag)
+		for _, m := range c.VolumeMounts {
+			rel, err := filepath.Rel(m.MountPath, p)
+			if err != nil || strings.HasPrefix(rel, "..") {
+				continue
+			}
+			v := volumes[m.Name]
+			switch {
+			case v.HostPath != nil:
+				return path.Join(v.HostPath.Path, rel)
+			case v.Secret != nil:
+				return "secret:" + v.Secret.SecretName
+			}
+			return "volume:" + m.Name
+		}
+		return "container:" + p
+	}
+	for flag, want := range map[string]string{
+		"state-dir":    "/var/run/mtlsbridge",
+		"bpf-root":     "/sys/fs/bpf/mtlsbridge",
+		"cni-conf-dir": "/etc/cni/net.d",
+		"cni-bin-dir":  "/opt/cni/bin",
+		"ca-dir":       "secret:mtlsbridge-ca",
+	} {
+		if got := host(flag); got != want {
+			t.Errorf("--%s=%s is %s on the host, want %s", flag, flagString(t, fs, flag), got, want)
+		}
+	}
+	if got := flagString(t, fs, "state-dir"); got != host("state-dir") {
+		t.Errorf("--state-dir=%s is %s on the host: the CNI plugin would look in the wrong place", got, host("state-dir"))
+	}
+	if flagString(t, fs, "source") != "k8s" || flagString(t, fs, "cni-install") != "true" || flagString(t, fs, "ca-secret") != "kube-system/mtlsbridge-ca" {
+		t.Errorf("want --source=k8s, --cni-install and no --ca-secret override; got %s, %s, %s",
+			flagString(t, fs, "source"), flagString(t, fs, "cni-install"), flagString(t, fs, "ca-secret"))
+	}
+
+	// Who the sidecar is: the pod's ServiceAccount, the subject of
+	// mtlsbridge's ClusterRoleBinding.
+	if pod.ServiceAccountName != ciliumAccount || ds.Namespace != ciliumNS {
+		t.Errorf("the DaemonSet runs as %s/%s, want %s/%s", ds.Namespace, pod.ServiceAccountName, ciliumNS, ciliumAccount)
+	}
+	binding := typed[rbacv1.ClusterRoleBinding](t, find(t, readManifests(t), "ClusterRoleBinding", "mtlsbridge"))
+	if len(binding.Subjects) != 1 || binding.Subjects[0].Kind != "ServiceAccount" ||
+		binding.Subjects[0].Namespace != ds.Namespace || binding.Subjects[0].Name != pod.ServiceAccountName {
+		t.Errorf("ClusterRoleBinding mtlsbridge binds %+v, not the sidecar's account %s/%s", binding.Subjects, ds.Namespace, pod.ServiceAccountName)
+	}
+	if !pod.HostNetwork {
+		t.Error("the Cilium pod is not hostNetwork: --grpc-listen=$(HOST_IP) would not be the node's address")
+	}
+
+	// Privileges: root without privileged, every capability dropped but
+	// the ones named (TestAgentLeastPrivilege runs the agent with exactly
+	// those).
+	sc := c.SecurityContext
+	if sc == nil || sc.Capabilities == nil {
+		t.Fatal("the sidecar has no security context with capabilities")
+	}
+	if sc.Privileged != nil && *sc.Privileged {
+		t.Error("the sidecar is privileged")
+	}
+	if !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+		t.Errorf("capabilities dropped: %v, want [ALL]", sc.Capabilities.Drop)
+	}
+	if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+		t.Error("the sidecar's root file system is writable")
+	}
+
+	// Probes the kubelet can run: the image's binary (no shell, and
+	// /healthz is on a UNIX socket, out of httpGet's reach).
+	for name, p := range map[string]*corev1.Probe{"readiness": c.ReadinessProbe, "liveness": c.LivenessProbe} {
+		if p == nil || p.Exec == nil || len(p.Exec.Command) == 0 || p.Exec.Command[0] != "/usr/local/bin/mtlsbridge" {
+			t.Errorf("%s probe: want an exec of /usr/local/bin/mtlsbridge, got %+v", name, p)
+		}
+	}
+
+	// The CNI chain: Cilium reads its conflist from the shipped ConfigMap.
+	cfg := find(t, objs, "ConfigMap", "cilium-config")
+	readConf, _, _ := unstructured.NestedString(cfg.Object, "data", "read-cni-conf")
+	writeConf, _, _ := unstructured.NestedString(cfg.Object, "data", "write-cni-conf-when-ready")
+	if readConf != "/tmp/cni-configuration/cni-config" || writeConf != "/host/etc/cni/net.d/"+install.PreferredConflist {
+		t.Errorf("cilium-config: read-cni-conf=%q write-cni-conf-when-ready=%q; want Cilium to write the ConfigMap's conflist as %s",
+			readConf, writeConf, install.PreferredConflist)
+	}
+	if v, ok := volumes["cni-configuration"]; !ok || v.ConfigMap == nil || v.ConfigMap.Name != "mtlsbridge-cni-configuration" {
+		t.Errorf("the pod's cni-configuration volume is %+v, want ConfigMap mtlsbridge-cni-configuration", volumes["cni-configuration"])
+	}
+	if flagString(t, fs, "cni-conflist") != install.PreferredConflist {
+		t.Errorf("--cni-conflist=%s, want the file Cilium writes (%s)", flagString(t, fs, "cni-conflist"), install.PreferredConflist)
+	}
+}
+
+// TestCNIConfigMapMatchesAgentFlags: the conflist Cilium writes from the
+// shipped ConfigMap already holds, last, exactly the entry the agent's
+// installer would write for the sidecar's flags. Otherwise the installer
+// would change the file, Cilium (cni.exclusive) would write it back, and
+// the two would rewrite it in turn.
+func TestCNIConfigMapMatchesAgentFlags(t *testing.T) {
+	objs := renderCilium(t)
+	_, c := ciliumDaemonSet(t, objs)
+	fs := agentFlags(t, c, map[string]string{"HOST_IP": "192.0.2.1"})
+
+	cm := find(t, readManifests(t), "ConfigMap", "mtlsbridge-cni-configuration")
+	conflist, _, _ := unstructured.NestedString(cm.Object, "data", "cni-config")
+	var conf struct {
+		CNIVersion string           `json:"cniVersion"`
+		Plugins    []map[string]any `json:"plugins"`
+	}
+	must(t, json.Unmarshal([]byte(conflist), &conf))
+	if len(conf.Plugins) != 2 || conf.Plugins[0]["type"] != "cilium-cni" || conf.Plugins[1]["type"] != install.PluginType {
+		t.Fatalf("plugins %v: want cilium-cni, then %s", conf.Plugins, install.PluginType)
+	}
+	// Cilium's own entry as it renders it by default (chaining mode none,
+	// the chart's cni.logFile).
+	if conf.Plugins[0]["log-file"] != "/var/run/cilium/cilium-cni.log" || conf.Plugins[0]["enable-debug"] != false {
+		t.Errorf("cilium-cni entry %v differs from Cilium's default", conf.Plugins[0])
+	}
+
+	dir := t.TempDir()
+	file := filepath.Join(dir, install.PreferredConflist)
+	must(t, os.WriteFile(file, []byte(conflist), 0o644))
+	wait, err := time.ParseDuration(flagString(t, fs, "cni-wait"))
+	must(t, err)
+	entry := plugin.Entry(flagString(t, fs, "state-dir"), flagString(t, fs, "cni-fail-policy"),
+		strings.Split(flagString(t, fs, "excluded-namespaces"), ","), wait)
+	wrote, err := install.InsertEntry(file, entry)
+	must(t, err)
+	if wrote {
+		after, _ := os.ReadFile(file)
+		t.Errorf("the agent's installer would rewrite the ConfigMap's conflist:\nConfigMap:\n%s\ninstaller:\n%s", conflist, after)
+	}
+}

@@ -1,0 +1,209 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package deploy_test
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+
+	"github.com/cilium/hive"
+	"github.com/spf13/pflag"
+	"helm.sh/helm/v4/pkg/action"
+	"helm.sh/helm/v4/pkg/chart/common"
+	"helm.sh/helm/v4/pkg/chart/loader"
+	releasev1 "helm.sh/helm/v4/pkg/release/v1"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"sigs.k8s.io/yaml"
+
+	"github.com/mtlsbridge/mtlsbridge/agent"
+	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+)
+
+const (
+	valuesFile    = "cilium-values.yaml"
+	manifestsDir  = "kubernetes"
+	ciliumNS      = "kube-system"
+	sidecarName   = "mtlsbridge"
+	ciliumAccount = "cilium"
+)
+
+// renderCilium renders Cilium's chart (kubetest.CiliumChart) with the
+// shipped values, as `helm upgrade cilium cilium/cilium -f
+// deploy/cilium-values.yaml` would, through Helm's Go SDK: client-only, for
+// the Kubernetes version the tests' API server runs. Schema validation of
+// the values (the chart's values.schema.json) is on.
+func renderCilium(t *testing.T) []*unstructured.Unstructured {
+	t.Helper()
+	chrt, err := loader.Load(kubetest.CiliumChart(t))
+	must(t, err)
+	vals, err := common.ReadValuesFile(valuesFile)
+	must(t, err)
+	install := action.NewInstall(&action.Configuration{})
+	install.DryRunStrategy = action.DryRunClient
+	install.Replace = true // no release store to look names up in
+	install.ReleaseName = "cilium"
+	install.Namespace = ciliumNS
+	kv, err := common.ParseKubeVersion(kubetest.KubernetesVersion)
+	must(t, err)
+	install.KubeVersion = kv
+	rel, err := install.RunWithContext(t.Context(), chrt, vals)
+	if err != nil {
+		t.Fatalf("rendering Cilium's chart with %s: %v", valuesFile, err)
+	}
+	r, ok := rel.(*releasev1.Release)
+	if !ok {
+		t.Fatalf("helm returned a %T, want a v1 release", rel)
+	}
+	objs, err := parseYAML([]byte(r.Manifest))
+	must(t, err)
+	return objs
+}
+
+// readManifests parses every YAML file of deploy/kubernetes.
+func readManifests(t *testing.T) []*unstructured.Unstructured {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(manifestsDir, "*.yaml"))
+	must(t, err)
+	if len(files) == 0 {
+		t.Fatalf("no manifests in %s", manifestsDir)
+	}
+	sort.Strings(files)
+	var objs []*unstructured.Unstructured
+	for _, f := range files {
+		objs = append(objs, readFile(t, f)...)
+	}
+	return objs
+}
+
+func readFile(t *testing.T, path string) []*unstructured.Unstructured {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	must(t, err)
+	objs, err := parseYAML(data)
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	return objs
+}
+
+// parseYAML splits a multi-document YAML stream into objects, skipping
+// empty documents.
+func parseYAML(data []byte) ([]*unstructured.Unstructured, error) {
+	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	var objs []*unstructured.Unstructured
+	for {
+		doc, err := reader.Read()
+		if errors.Is(err, io.EOF) {
+			return objs, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		var fields map[string]any
+		if err := yaml.Unmarshal(doc, &fields); err != nil {
+			return nil, err
+		}
+		if len(fields) == 0 {
+			continue
+		}
+		objs = append(objs, &unstructured.Unstructured{Object: fields})
+	}
+}
+
+// find returns the object of that kind and name, or fails the test.
+func find(t *testing.T, objs []*unstructured.Unstructured, kind, name string) *unstructured.Unstructured {
+	t.Helper()
+	for _, o := range objs {
+		if o.GetKind() == kind && o.GetName() == name {
+			return o
+		}
+	}
+	t.Fatalf("no %s %s among %d objects", kind, name, len(objs))
+	return nil
+}
+
+// typed converts an object to its Go type.
+func typed[T any](t *testing.T, u *unstructured.Unstructured) *T {
+	t.Helper()
+	var out T
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructuredWithValidation(u.Object, &out, true); err != nil {
+		t.Fatalf("%s %s: %v", u.GetKind(), u.GetName(), err)
+	}
+	return &out
+}
+
+// ciliumDaemonSet is the rendered Cilium DaemonSet and its mtlsbridge
+// container.
+func ciliumDaemonSet(t *testing.T, objs []*unstructured.Unstructured) (*appsv1.DaemonSet, *corev1.Container) {
+	t.Helper()
+	ds := typed[appsv1.DaemonSet](t, find(t, objs, "DaemonSet", "cilium"))
+	for i := range ds.Spec.Template.Spec.Containers {
+		if c := &ds.Spec.Template.Spec.Containers[i]; c.Name == sidecarName {
+			return ds, c
+		}
+	}
+	t.Fatalf("the rendered Cilium DaemonSet has no %s container", sidecarName)
+	return nil, nil
+}
+
+var envRef = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
+
+// agentFlags parses the sidecar's args (after "agent") with the agent's
+// own flag set, so that a misspelt or removed flag fails here rather than
+// in a cluster. $(VAR) references are expanded as the kubelet does, with
+// vars.
+func agentFlags(t *testing.T, c *corev1.Container, vars map[string]string) *pflag.FlagSet {
+	t.Helper()
+	if len(c.Args) == 0 || c.Args[0] != "agent" {
+		t.Fatalf("container %s: args %q do not start with the agent command", c.Name, c.Args)
+	}
+	args := make([]string, 0, len(c.Args)-1)
+	for _, a := range c.Args[1:] {
+		args = append(args, envRef.ReplaceAllStringFunc(a, func(ref string) string {
+			name := envRef.FindStringSubmatch(ref)[1]
+			v, ok := vars[name]
+			if !ok {
+				t.Fatalf("container %s: arg %q refers to $(%s), which the test does not set", c.Name, a, name)
+			}
+			return v
+		}))
+	}
+	fs := pflag.NewFlagSet("agent", pflag.ContinueOnError)
+	hive.New(agent.Infrastructure, agent.Cell).RegisterFlags(fs)
+	fs.Bool("debug", false, "") // added by cmd/mtlsbridge beside the hive's
+	if err := fs.Parse(args); err != nil {
+		t.Fatalf("container %s: the agent refuses its args: %v", c.Name, err)
+	}
+	return fs
+}
+
+func flagString(t *testing.T, fs *pflag.FlagSet, name string) string {
+	t.Helper()
+	f := fs.Lookup(name)
+	if f == nil {
+		t.Fatalf("the agent has no flag --%s", name)
+	}
+	if sv, ok := f.Value.(pflag.SliceValue); ok {
+		return strings.Join(sv.GetSlice(), ",")
+	}
+	return f.Value.String()
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
