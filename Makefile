@@ -68,9 +68,13 @@ check-generate:
 		echo "bpf/: generated files are stale; run make generate and commit them"; exit 1; \
 	fi
 
-# demo runs the agent on the demo manifests and prints what it derived.
+# demo is the product's main job, seen: as root, the two-node testbed in
+# network namespaces, mTLS on the wire between enrolled pods, one line per
+# flow (hack/demo-mtls.sh); without root, the agent on the demo manifests
+# and the tables it derives (hack/demo.sh).
 demo: build
-	./hack/demo.sh $(BIN) testdata/demo
+	@if [ "$$(id -u)" -eq 0 ]; then ./hack/demo-mtls.sh; \
+	else echo "make demo: not root, so no network namespaces: the tables only"; ./hack/demo.sh $(BIN) testdata/demo; fi
 
 clean:
 	rm -rf bin
