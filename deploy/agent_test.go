@@ -771,7 +771,7 @@ func TestAgentNeedsEachGrant(t *testing.T) {
 		}},
 		{name: "update nodes", without: []permission{{"", "nodes", "update"}}, check: func(t *testing.T, r *agentRun) {
 			// The agent only reports it as its module's health, which
-			// neither its log nor its shell shows (see deploy/README.md):
+			// neither its log nor its shell shows (see README.md, "Install on a Cilium cluster"):
 			// the API server's audit log is where it shows.
 			waitFor(t, r, "a refused update of node-a in the audit log", func() error {
 				if _, refused, _ := c.used(t); refused[permission{"", "nodes", "update"}] == 0 {
