@@ -80,12 +80,6 @@ func TestCNPSchemaWithoutAuthentication(t *testing.T) {
 	}
 
 	t.Run("enrolled by the annotation", func(t *testing.T) {
-		// TODO(lead): remove this skip once the agent reads
-		// mtlsbridge.io/authentication-mode on policies (enrollment rule 2's
-		// annotation); until then a policy whose field was pruned enrolls
-		// nothing, and this assertion fails.
-		t.Skip("TODO: needs the mtlsbridge.io/authentication-mode policy annotation in the agent")
-
 		var (
 			db          *statedb.DB
 			enrollments statedb.Table[*enrollment.Enrollment]

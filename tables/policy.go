@@ -33,12 +33,29 @@ type Policy struct {
 	Name      string     `json:"name"`
 
 	// Selectors are the endpointSelectors of the rules (spec or specs[]) that
-	// have authentication.mode "required". Empty when the policy enrolls nothing.
+	// require authentication (authentication.mode "required", or the
+	// policy's AuthenticationModeAnnotation). Empty when the policy enrolls
+	// nothing.
 	Selectors []EndpointSelector `json:"selectors,omitempty"`
 
-	// Error is why the policy could not be understood. A policy with an
-	// error enrolls nothing, as Cilium rejects it.
+	// Error is why the policy's current version could not be understood.
+	// A policy that was never valid enrolls nothing, as Cilium rejects it.
 	Error string `json:"error,omitempty"`
+	// LastValid is set when Error is, and Selectors are those of the
+	// policy's last valid version: an edit that breaks a policy must not
+	// silently unenroll the pods it protects (fail closed).
+	LastValid bool `json:"lastValid,omitempty"`
+}
+
+// KeepLastValid returns the new version of a policy, holding on to the
+// selectors of old when new is invalid and old had some.
+func KeepLastValid(old, new *Policy) *Policy {
+	if new.Error == "" || old == nil || len(old.Selectors) == 0 {
+		return new
+	}
+	c := *new
+	c.Selectors, c.LastValid = old.Selectors, true
+	return &c
 }
 
 // Key is the primary key: "cnp/NAMESPACE/NAME" or "ccnp/NAME". Enrollment
@@ -54,7 +71,7 @@ func PolicyKey(kind PolicyKind, namespace, name string) string {
 }
 
 // RequiresAuthentication reports whether the policy enrolls the pods it selects.
-func (p *Policy) RequiresAuthentication() bool { return p.Error == "" && len(p.Selectors) > 0 }
+func (p *Policy) RequiresAuthentication() bool { return len(p.Selectors) > 0 }
 
 // Selects reports whether one of the authenticating rules selects the pod.
 // A CiliumNetworkPolicy only selects pods in its own namespace.
@@ -91,7 +108,10 @@ func (p *Policy) TableHeader() []string {
 
 func (p *Policy) TableRow() []string {
 	auth := "-"
-	if p.RequiresAuthentication() {
+	switch {
+	case p.LastValid:
+		auth = "required (last valid version)"
+	case p.RequiresAuthentication():
 		auth = "required"
 	}
 	sels := make([]string, len(p.Selectors))

@@ -8,30 +8,18 @@ import (
 	"strings"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/selection"
 )
 
-// The YAML shape of the fields of cilium.io/v2 policies that mtlsbridge
-// reads. Everything else in a policy is ignored.
-type (
-	ciliumPolicy struct {
-		Spec  *policyRule  `json:"spec,omitempty"`
-		Specs []policyRule `json:"specs,omitempty"`
-	}
-	policyRule struct {
-		EndpointSelector *metav1.LabelSelector `json:"endpointSelector,omitempty"`
-		NodeSelector     *metav1.LabelSelector `json:"nodeSelector,omitempty"`
-		Ingress          []peerRule            `json:"ingress,omitempty"`
-		Egress           []peerRule            `json:"egress,omitempty"`
-	}
-	peerRule struct {
-		Authentication *struct {
-			Mode string `json:"mode"`
-		} `json:"authentication,omitempty"`
-	}
-)
+// AuthenticationModeAnnotation on a CiliumNetworkPolicy or
+// CiliumClusterwideNetworkPolicy carries the requirement of
+// authentication.mode for every rule of the policy. Cilium v1.20 deprecated
+// mutual authentication, and a schema without the field would have the API
+// server prune it: the annotation survives that schema.
+const AuthenticationModeAnnotation = "mtlsbridge.io/authentication-mode"
 
 // Authentication modes Cilium accepts in a rule.
 const (
@@ -43,7 +31,8 @@ const (
 // ParsePolicy reads a CiliumNetworkPolicy (kind KindCNP) or
 // CiliumClusterwideNetworkPolicy (KindCCNP) given as its unstructured
 // content. It never fails: a policy that cannot be understood comes back with
-// its Error set, so that the table shows why it enrolls nothing.
+// its Error set, naming the field, so that the table shows why it enrolls
+// nothing.
 func ParsePolicy(kind PolicyKind, namespace, name string, content map[string]any) *Policy {
 	p := &Policy{Kind: kind, Namespace: namespace, Name: name}
 	if kind == KindCCNP {
@@ -58,21 +47,45 @@ func ParsePolicy(kind PolicyKind, namespace, name string, content map[string]any
 	return p
 }
 
+// errMalformed prefixes the errors of a policy whose shape is not Cilium's.
+var errMalformed = errors.New("malformed policy")
+
 func parsePolicy(content map[string]any) ([]EndpointSelector, error) {
-	var cp ciliumPolicy
-	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(content, &cp); err != nil {
-		return nil, fmt.Errorf("malformed policy: %w", err)
+	allRequired := false
+	switch mode, set, _ := unstructured.NestedString(content, "metadata", "annotations", AuthenticationModeAnnotation); {
+	case !set, mode == authModeDisabled:
+	case mode == authModeRequired:
+		allRequired = true
+	default:
+		return nil, fmt.Errorf("metadata.annotations[%s]: unknown mode %q (want %s or %s)",
+			AuthenticationModeAnnotation, mode, authModeRequired, authModeDisabled)
 	}
+
 	type namedRule struct {
 		path string
-		rule policyRule
+		rule map[string]any
 	}
 	var rules []namedRule
-	if cp.Spec != nil {
-		rules = append(rules, namedRule{"spec", *cp.Spec})
+	if raw, ok := content["spec"]; ok && raw != nil {
+		rule, ok := raw.(map[string]any)
+		if !ok {
+			return nil, shapeError("spec", "an object", raw)
+		}
+		rules = append(rules, namedRule{"spec", rule})
 	}
-	for i, r := range cp.Specs {
-		rules = append(rules, namedRule{fmt.Sprintf("specs[%d]", i), r})
+	if raw, ok := content["specs"]; ok && raw != nil {
+		list, ok := raw.([]any)
+		if !ok {
+			return nil, shapeError("specs", "a list", raw)
+		}
+		for i, item := range list {
+			path := fmt.Sprintf("specs[%d]", i)
+			rule, ok := item.(map[string]any)
+			if !ok {
+				return nil, shapeError(path, "an object", item)
+			}
+			rules = append(rules, namedRule{path, rule})
+		}
 	}
 	if len(rules) == 0 {
 		return nil, errors.New("policy has neither spec nor specs")
@@ -84,48 +97,109 @@ func parsePolicy(content map[string]any) ([]EndpointSelector, error) {
 		if err != nil {
 			return nil, err
 		}
+		endpoints, err := labelSelector(nr.path+".endpointSelector", nr.rule["endpointSelector"])
+		if err != nil {
+			return nil, err
+		}
+		nodes, err := labelSelector(nr.path+".nodeSelector", nr.rule["nodeSelector"])
+		if err != nil {
+			return nil, err
+		}
 		switch {
-		case nr.rule.EndpointSelector == nil && nr.rule.NodeSelector == nil:
+		case endpoints == nil && nodes == nil:
 			return nil, fmt.Errorf("%s: neither endpointSelector nor nodeSelector is set", nr.path)
-		case nr.rule.EndpointSelector == nil:
+		case endpoints == nil:
 			// A node policy: it selects hosts, never pods.
 			continue
 		}
-		sel, err := parseEndpointSelector(nr.rule.EndpointSelector)
+		sel, err := parseEndpointSelector(endpoints)
 		if err != nil {
 			return nil, fmt.Errorf("%s.endpointSelector: %w", nr.path, err)
 		}
-		if required {
+		if required || allRequired {
 			sels = append(sels, sel)
 		}
 	}
 	return sels, nil
 }
 
+// labelSelector decodes a selector field; nil when it is absent.
+func labelSelector(path string, raw any) (*metav1.LabelSelector, error) {
+	if raw == nil {
+		return nil, nil
+	}
+	m, ok := raw.(map[string]any)
+	if !ok {
+		return nil, shapeError(path, "an object", raw)
+	}
+	var ls metav1.LabelSelector
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(m, &ls); err != nil {
+		return nil, fmt.Errorf("%w: %s: %v", errMalformed, path, err)
+	}
+	return &ls, nil
+}
+
 // requiresAuthentication reports whether any ingress or egress peer rule of
 // the rule has authentication.mode "required".
-func requiresAuthentication(path string, r policyRule) (bool, error) {
+func requiresAuthentication(path string, rule map[string]any) (bool, error) {
 	required := false
-	check := func(dir string, peers []peerRule) error {
-		for i, peer := range peers {
-			if peer.Authentication == nil {
+	for _, dir := range []string{"ingress", "egress"} {
+		raw, ok := rule[dir]
+		if !ok || raw == nil {
+			continue
+		}
+		peers, ok := raw.([]any)
+		if !ok {
+			return false, shapeError(path+"."+dir, "a list", raw)
+		}
+		for i, item := range peers {
+			at := fmt.Sprintf("%s.%s[%d]", path, dir, i)
+			peer, ok := item.(map[string]any)
+			if !ok {
+				return false, shapeError(at, "an object", item)
+			}
+			rawAuth, ok := peer["authentication"]
+			if !ok || rawAuth == nil {
 				continue
 			}
-			switch mode := peer.Authentication.Mode; mode {
+			auth, ok := rawAuth.(map[string]any)
+			if !ok {
+				return false, shapeError(at+".authentication", "an object", rawAuth)
+			}
+			mode, ok := auth["mode"].(string)
+			if !ok {
+				return false, shapeError(at+".authentication.mode", "a string", auth["mode"])
+			}
+			switch mode {
 			case authModeRequired:
 				required = true
 			case authModeDisabled, authModeTestAlwaysFail:
 			default:
-				return fmt.Errorf("%s.%s[%d].authentication.mode: unknown mode %q (want %s, %s or %s)",
-					path, dir, i, mode, authModeDisabled, authModeRequired, authModeTestAlwaysFail)
+				return false, fmt.Errorf("%s.authentication.mode: unknown mode %q (want %s, %s or %s)",
+					at, mode, authModeDisabled, authModeRequired, authModeTestAlwaysFail)
 			}
 		}
-		return nil
 	}
-	if err := check("ingress", r.Ingress); err != nil {
-		return false, err
+	return required, nil
+}
+
+// shapeError names a field whose value has the wrong type (never its value:
+// errors reach logs and tables).
+func shapeError(path, want string, got any) error {
+	kind := "null"
+	switch got.(type) {
+	case string:
+		kind = "a string"
+	case bool:
+		kind = "a boolean"
+	case int64, float64, int:
+		kind = "a number"
+	case []any:
+		kind = "a list"
+	case map[string]any:
+		kind = "an object"
 	}
-	return required, check("egress", r.Egress)
+	return fmt.Errorf("%w: %s: want %s, got %s", errMalformed, path, want, kind)
 }
 
 // parseEndpointSelector turns a Cilium endpointSelector into a Kubernetes

@@ -20,6 +20,10 @@ type SyncOptions[T any] struct {
 	// Owned limits the rows Sync may delete to those of one writer of a
 	// table shared by several (CNP and CCNP reflectors both fill policies).
 	Owned func(T) bool
+	// Merge returns the row to write from the one the table holds under
+	// the same key (found is false when none) and the new one; e.g.
+	// KeepLastValid for policies.
+	Merge func(old T, found bool, new T) T
 }
 
 // Sync makes tbl hold exactly rows, among the rows it owns: owned rows not
@@ -51,7 +55,11 @@ func Sync[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], rows []T, opts Sy
 	}
 	for _, row := range want {
 		if q, ok := idx.QueryFromObject(row); ok {
-			if old, _, found := tbl.Get(txn, q); found && same(old, row) {
+			old, _, found := tbl.Get(txn, q)
+			if opts.Merge != nil {
+				row = opts.Merge(old, found, row)
+			}
+			if found && same(old, row) {
 				continue
 			}
 		}

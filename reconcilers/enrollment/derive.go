@@ -207,6 +207,7 @@ func (d *derivation) update(dirty map[string]struct{}) {
 	wtxn := d.DB.WriteTxn(d.Enrollments)
 	in := inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, endpoints: d.Endpoints}
 	changed := 0
+	var logged []*Enrollment
 	for key := range dirty {
 		old, _, hadOld := d.Enrollments.Get(wtxn, ByKey(key))
 		pod, _, found := d.Pods.Get(wtxn, tables.PodByKey(key))
@@ -220,9 +221,25 @@ func (d *derivation) update(dirty map[string]struct{}) {
 			if e := decide(d.Config, in, pod); !hadOld || *e != *old {
 				d.Enrollments.Insert(wtxn, e)
 				changed++
+				if !hadOld || e.Enrolled != old.Enrolled || e.Reason != old.Reason || e.IgnoredOptOut != old.IgnoredOptOut {
+					logged = append(logged, e)
+				}
 			}
 		}
 	}
 	wtxn.Commit()
+	// One line per decision that changed, once committed; a cold start
+	// (every pod new) says it in one line.
+	if d.initDone != nil && len(logged) > 1 {
+		d.Log.Info("Enrollments derived", "pods", len(logged))
+	} else {
+		for _, e := range logged {
+			args := []any{"pod", e.Key(), "enrolled", e.Enrolled, "reason", e.Reason}
+			if e.IgnoredOptOut {
+				args = append(args, "note", NoteIgnoredOptOut)
+			}
+			d.Log.Info("Enrollment changed", args...)
+		}
+	}
 	d.Log.Debug("Enrollments updated", "considered", len(dirty), "changed", changed, "duration", time.Since(start))
 }

@@ -31,12 +31,14 @@ type inputs struct {
 	endpoints  statedb.Table[*tables.Endpoint]
 }
 
-// decide applies the enrollment rules of design.md to one pod. The first
-// rule that matches decides:
-//  1. never: host network, finished, no IP, the mTLS agent, excluded namespace;
-//  2. the pod label cilium.io/redir-type: "none" opts out, "workload" enrolls;
-//  3. a CNP/CCNP rule with authentication.mode required selecting the pod
-//     (the policy with the smallest key is named);
+// decide applies the enrollment rules (README, "Enrollment rules") to one
+// pod. The first rule that matches decides:
+//  1. never: host network, finished, the mTLS agent, excluded namespace, no IP;
+//  2. a CNP/CCNP requiring authentication (authentication.mode required, or
+//     its annotation) that selects the pod (the policy with the smallest
+//     key is named); the pod's opt-out label does not cancel it, and the
+//     row says that it was ignored;
+//  3. the pod label cilium.io/redir-type: "none" opts out, "workload" enrolls;
 //  4. the namespace label io.cilium/mtls-enabled=true.
 func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
 	e := &Enrollment{
@@ -46,8 +48,7 @@ func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
 		Node:      pod.NodeName,
 		MTLSAgent: pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeProxy,
 	}
-	ns, _, _ := in.namespaces.Get(in.txn, tables.NamespaceByName(pod.Namespace))
-
+	redirType := pod.Labels.Get(tables.RedirTypeLabel)
 	switch {
 	case pod.HostNetwork:
 		e.Reason = ReasonHostNetwork
@@ -59,20 +60,23 @@ func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
 		e.Reason = ReasonExcludedNamespace
 	case len(pod.IPs) == 0:
 		e.Reason = ReasonNoIP
-	case pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeNone:
-		e.Reason = ReasonOptOut
-	case pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeWorkload:
-		e.Enrolled, e.Reason = true, ReasonWorkloadLabel
 	default:
+		ns, _, _ := in.namespaces.Get(in.txn, tables.NamespaceByName(pod.Namespace))
 		if p := selectingPolicy(in, pod, ns); p != "" {
+			// A workload owner's label never cancels a policy owner's
+			// requirement.
 			e.Enrolled, e.Reason, e.Policy = true, ReasonPolicyPrefix+p, p
+			e.IgnoredOptOut = redirType == tables.RedirTypeNone
+		} else if redirType == tables.RedirTypeNone {
+			e.Reason = ReasonOptOut
+		} else if redirType == tables.RedirTypeWorkload {
+			e.Enrolled, e.Reason = true, ReasonWorkloadLabel
 		} else if ns != nil && ns.Labels.Get(tables.NamespaceEnabledLabel) == "true" {
 			e.Enrolled, e.Reason = true, ReasonNamespaceLabel
 		} else {
 			e.Reason = ReasonNotSelected
 		}
 	}
-
 	if e.Enrolled {
 		e.SpiffeID = spiffe.WorkloadID(cfg.TrustDomain, pod.Namespace, pod.ServiceAccountOrDefault())
 		if ep, _, found := in.endpoints.Get(in.txn, tables.EndpointByKey(pod.Key())); found && ep.Identity != 0 {

@@ -33,24 +33,28 @@ type Enrollment struct {
 	IdentitySpiffeID string `json:"identitySpiffeID,omitempty"`
 	// MTLSAgent is true for the mTLS agent pod of its node.
 	MTLSAgent bool `json:"mtlsAgent"`
+	// IgnoredOptOut is true when the pod carries the opt-out label but a
+	// policy that requires authentication selects it: it stays enrolled.
+	IgnoredOptOut bool `json:"ignoredOptOut,omitempty"`
 }
+
+// NoteIgnoredOptOut is the Note of a row whose opt-out label was ignored.
+const NoteIgnoredOptOut = "opt-out label ignored: a policy requires authentication"
 
 // Key is the primary key, "namespace/pod".
 func (e *Enrollment) Key() string { return e.Namespace + "/" + e.Pod }
 
 func (e *Enrollment) TableHeader() []string {
-	return []string{"Pod", "Node", "Enrolled", "Reason", "SpiffeID", "IdentitySpiffeID", "MTLSAgent"}
+	return []string{"Pod", "Node", "Enrolled", "Reason", "SpiffeID", "IdentitySpiffeID", "MTLSAgent", "Note"}
 }
 
 func (e *Enrollment) TableRow() []string {
-	dash := func(s string) string {
-		if s == "" {
-			return "-"
-		}
-		return s
+	note := ""
+	if e.IgnoredOptOut {
+		note = NoteIgnoredOptOut
 	}
-	return []string{e.Key(), dash(e.Node), strconv.FormatBool(e.Enrolled), e.Reason,
-		dash(e.SpiffeID), dash(e.IdentitySpiffeID), strconv.FormatBool(e.MTLSAgent)}
+	return []string{e.Key(), tables.Dash(e.Node), strconv.FormatBool(e.Enrolled), e.Reason,
+		tables.Dash(e.SpiffeID), tables.Dash(e.IdentitySpiffeID), strconv.FormatBool(e.MTLSAgent), tables.Dash(note)}
 }
 
 var (

@@ -22,6 +22,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
+	"github.com/mtlsbridge/mtlsbridge/metrics"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
@@ -138,7 +139,7 @@ func (c *cluster) startAgent(t *testing.T, extraFlags ...string) *agent {
 	a := &agent{}
 	a.h = hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		tables.Cell, ingest.Cell, enrollment.Cell, redirect.Cell, readiness.Cell,
+		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, redirect.Cell, readiness.Cell,
 		cell.Invoke(func(db *statedb.DB, r statedb.Table[*redirect.Redirect], at statedb.Table[*redirect.Attachment], p statedb.Table[*tables.Pod]) {
 			a.db, a.redirects, a.attachments, a.pods = db, r, at, p
 		}),

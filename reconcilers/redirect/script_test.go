@@ -26,6 +26,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
+	"github.com/mtlsbridge/mtlsbridge/metrics"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
@@ -55,7 +56,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	}
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		tables.Cell, ingest.Cell, enrollment.Cell,
+		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell,
 		// What xDS tells the mTLS agent follows the datapath (HBONE).
 		readiness.Cell, workload.Cell,
 		cell.Module("redirect-test", "Redirect cell on a fake kernel",

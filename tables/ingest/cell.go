@@ -14,6 +14,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
@@ -48,7 +49,25 @@ var Cell = cell.Module(
 	// later components use them too.
 	cell.Provide(newClients),
 	cell.Invoke(startSources),
+	// mtlsbridge_policies_invalid: policies whose current version is not
+	// understood (those that keep a last valid version included).
+	cell.Invoke(registerMetrics),
 )
+
+func registerMetrics(reg *prometheus.Registry, w *writeTables) error {
+	return reg.Register(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "mtlsbridge_policies_invalid",
+		Help: "Cilium policies whose current version is invalid (an invalid version of a valid policy keeps enrolling what the valid one selected)",
+	}, func() float64 {
+		n := 0
+		for p := range w.Policies.All(w.DB.ReadTxn()) {
+			if p.Error != "" {
+				n++
+			}
+		}
+		return float64(n)
+	}))
+}
 
 // Config selects where objects come from.
 type Config struct {
@@ -181,8 +200,8 @@ func restConfig(kubeconfig string) (*rest.Config, error) {
 	return clientcmd.BuildConfigFromFlags("", kubeconfig)
 }
 
-func newWriteTables(db *statedb.DB) (*writeTables, error) {
-	w := &writeTables{DB: db}
+func newWriteTables(db *statedb.DB, log *slog.Logger) (*writeTables, error) {
+	w := &writeTables{DB: db, log: log}
 	var err error
 	if w.Pods, err = tables.NewPodsTable(db); err != nil {
 		return nil, err

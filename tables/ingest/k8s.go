@@ -32,9 +32,10 @@ type reflection[T any] struct {
 	lw       cache.ListerWatcher
 	expected runtime.Object
 	convert  func(obj any) (T, error)
-	// owned tells this source's rows from those of another source that
-	// shares the table (CNP and CCNP both fill policies); nil: all rows.
-	owned    func(T) bool
+	// write tells this source's rows from those of another source that
+	// shares the table (CNP and CCNP both fill policies), and merges a new
+	// version with the one held (policies keep their last valid version).
+	write    tables.SyncOptions[T]
 	tables   *writeTables
 	table    statedb.RWTable[T]
 	initDone func(statedb.WriteTxn)
@@ -100,7 +101,7 @@ func (r *reflection[T]) apply(ops []storeOp[T]) {
 		case op.watchErr != nil:
 			src.Error = "watch: " + op.watchErr.Error()
 		case op.isList:
-			src.Objects = tables.Sync(txn, r.table, op.replace, tables.SyncOptions[T]{Owned: r.owned})
+			src.Objects = tables.Sync(txn, r.table, op.replace, r.write)
 			src.Synced = true
 			src.Error = ""
 			if r.initDone != nil {
@@ -112,7 +113,7 @@ func (r *reflection[T]) apply(ops []storeOp[T]) {
 				src.Objects--
 			}
 		default:
-			if upsert(txn, r.table, op.obj) {
+			if upsert(txn, r.table, op.obj, r.write.Merge) {
 				src.Objects++
 			}
 		}
@@ -175,34 +176,37 @@ func k8sJobs(log *slog.Logger, c *Clients, w *writeTables) []job.Job {
 			return tables.ParsePolicy(kind, u.GetNamespace(), u.GetName(), u.Object), nil
 		}
 	}
-	ownsKind := func(kind tables.PolicyKind) func(*tables.Policy) bool {
-		return func(p *tables.Policy) bool { return p.Kind == kind }
+	policyWrite := func(kind tables.PolicyKind) tables.SyncOptions[*tables.Policy] {
+		return tables.SyncOptions[*tables.Policy]{
+			Owned: func(p *tables.Policy) bool { return p.Kind == kind },
+			Merge: keepLastValid(log),
+		}
 	}
 	return []job.Job{
 		newReflection(log, w, w.Pods, "pods", typed("pods"), c.Kube, &corev1.Pod{},
-			func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) }, nil),
+			func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) }, tables.SyncOptions[*tables.Pod]{}),
 		newReflection(log, w, w.Namespaces, "namespaces", typed("namespaces"), c.Kube, &corev1.Namespace{},
 			func(obj any) (*tables.Namespace, error) {
 				ns := obj.(*corev1.Namespace)
 				return &tables.Namespace{Name: ns.Name, Labels: tables.NewLabels(ns.Labels)}, nil
-			}, nil),
+			}, tables.SyncOptions[*tables.Namespace]{}),
 		newReflection(log, w, w.Nodes, "nodes", typed("nodes"), c.Kube, &corev1.Node{},
-			func(obj any) (*tables.Node, error) { return nodeFromK8s(obj.(*corev1.Node)), nil }, nil),
+			func(obj any) (*tables.Node, error) { return nodeFromK8s(obj.(*corev1.Node)), nil }, tables.SyncOptions[*tables.Node]{}),
 		newReflection(log, w, w.Policies, "ciliumnetworkpolicies", custom("ciliumnetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
-			policy(tables.KindCNP), ownsKind(tables.KindCNP)),
+			policy(tables.KindCNP), policyWrite(tables.KindCNP)),
 		newReflection(log, w, w.Policies, "ciliumclusterwidenetworkpolicies", custom("ciliumclusterwidenetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
-			policy(tables.KindCCNP), ownsKind(tables.KindCCNP)),
+			policy(tables.KindCCNP), policyWrite(tables.KindCCNP)),
 		newReflection(log, w, w.Endpoints, "ciliumendpoints", custom("ciliumendpoints"), c.Dynamic, &unstructured.Unstructured{},
 			func(obj any) (*tables.Endpoint, error) {
 				return endpointFromUnstructured(obj.(*unstructured.Unstructured))
-			}, nil),
+			}, tables.SyncOptions[*tables.Endpoint]{}),
 	}
 }
 
 func newReflection[T any](log *slog.Logger, w *writeTables, table statedb.RWTable[T], resource string,
-	lw *cache.ListWatch, client any, expected runtime.Object, convert func(any) (T, error), owned func(T) bool) job.Job {
+	lw *cache.ListWatch, client any, expected runtime.Object, convert func(any) (T, error), write tables.SyncOptions[T]) job.Job {
 	r := &reflection[T]{
-		name: "k8s/" + resource, expected: expected, convert: convert, owned: owned,
+		name: "k8s/" + resource, expected: expected, convert: convert, write: write,
 		tables: w, table: table, log: log, kick: make(chan struct{}, 1),
 	}
 	r.lw = cache.ToListWatcherWithWatchListSemantics(r.observeErrors(lw), client)

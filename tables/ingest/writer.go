@@ -4,6 +4,7 @@ package ingest
 
 import (
 	"fmt"
+	"log/slog"
 	"reflect"
 
 	"github.com/cilium/statedb"
@@ -14,6 +15,7 @@ import (
 // writeTables are the tables the sources own.
 type writeTables struct {
 	DB         *statedb.DB
+	log        *slog.Logger
 	Pods       statedb.RWTable[*tables.Pod]
 	Namespaces statedb.RWTable[*tables.Namespace]
 	Policies   statedb.RWTable[*tables.Policy]
@@ -92,7 +94,7 @@ func describe(obj any) string {
 func (w *writeTables) replaceAll(txn statedb.WriteTxn, s *objectSet) {
 	tables.Sync(txn, w.Pods, s.pods, tables.SyncOptions[*tables.Pod]{})
 	tables.Sync(txn, w.Namespaces, s.namespaces, tables.SyncOptions[*tables.Namespace]{})
-	tables.Sync(txn, w.Policies, s.policies, tables.SyncOptions[*tables.Policy]{})
+	tables.Sync(txn, w.Policies, s.policies, tables.SyncOptions[*tables.Policy]{Merge: keepLastValid(w.log)})
 	tables.Sync(txn, w.Endpoints, s.endpoints, tables.SyncOptions[*tables.Endpoint]{})
 	tables.Sync(txn, w.Nodes, s.nodes, tables.SyncOptions[*tables.Node]{})
 }
@@ -100,9 +102,12 @@ func (w *writeTables) replaceAll(txn statedb.WriteTxn, s *objectSet) {
 // upsert inserts obj unless an equal object is already there, so that
 // consumers of the table's changes see only real changes. It reports
 // whether the object is new.
-func upsert[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T) (added bool) {
+func upsert[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T, merge func(T, bool, T) T) (added bool) {
 	q, _ := tbl.PrimaryIndexer().QueryFromObject(obj)
 	old, _, found := tbl.Get(txn, q)
+	if merge != nil {
+		obj = merge(old, found, obj)
+	}
 	if found && reflect.DeepEqual(old, obj) {
 		return false
 	}
@@ -114,4 +119,29 @@ func upsert[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T) (added b
 func remove[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T) (removed bool) {
 	_, hadOld, _ := tbl.Delete(txn, obj)
 	return hadOld
+}
+
+// keepLastValid is how a new version of a policy is written: an invalid
+// version keeps enrolling what the last valid one selected (the error in
+// its row), so that an edit that breaks a policy never silently unenrolls
+// the pods it protects. Each version that becomes invalid, or valid
+// again, is logged.
+func keepLastValid(log *slog.Logger) func(old *tables.Policy, found bool, new *tables.Policy) *tables.Policy {
+	return func(old *tables.Policy, found bool, new *tables.Policy) *tables.Policy {
+		if !found {
+			old = nil
+		}
+		p := tables.KeepLastValid(old, new)
+		switch {
+		case p.Error != "" && (old == nil || old.Error != p.Error):
+			if p.LastValid {
+				log.Warn("Invalid policy version: still enrolling what its last valid version selected", "policy", p.Key(), "error", p.Error)
+			} else {
+				log.Warn("Invalid policy: it enrolls nothing", "policy", p.Key(), "error", p.Error)
+			}
+		case p.Error == "" && old != nil && old.Error != "":
+			log.Info("Policy valid again", "policy", p.Key())
+		}
+		return p
+	}
 }
