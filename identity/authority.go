@@ -231,13 +231,18 @@ func RotateDir(dir, trustDomain string) error {
 
 // RetireDir ends a rotation: only the signing root stays trusted. Run it once
 // every certificate signed by the older roots has expired.
+//
+// Possible errors: ErrNothingToRetire when no older root is trusted.
 func RetireDir(dir string) error {
 	err := os.Remove(filepath.Join(dir, TrustedRootsFile))
 	if errors.Is(err, os.ErrNotExist) {
-		return nil
+		return fmt.Errorf("%w: %s has no %s", ErrNothingToRetire, dir, TrustedRootsFile)
 	}
 	return err
 }
+
+// ErrNothingToRetire: RetireDir found no rotation in progress.
+var ErrNothingToRetire = errors.New("nothing to retire: no older root is trusted")
 
 // Authority signs workload certificates with the current material, which a
 // rotation may replace at any time.
@@ -272,7 +277,8 @@ func (a *Authority) Material() (*Material, error) {
 // Issued is a signed certificate with the chain to send back.
 type Issued struct {
 	Leaf *x509.Certificate
-	// ChainPEM is [leaf, root, older trusted roots...], one PEM each.
+	// ChainPEM is [leaf, roots]: the leaf's PEM, then every trusted root
+	// (the signing root first) concatenated in one element.
 	ChainPEM []string
 }
 
@@ -317,10 +323,11 @@ func (a *Authority) sign(m *Material, tmpl *x509.Certificate, pub crypto.PublicK
 	if err != nil {
 		return nil, err
 	}
-	chain := []string{string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}))}
-	for _, c := range m.Bundle() {
-		chain = append(chain, string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})))
-	}
+	// The API's contract: the roots are the chain's last element. Every
+	// trusted root goes there, concatenated, as istiod does: istio-agent
+	// takes that one element as its trust anchor, and during a rotation
+	// it must hold the new root as well as the old.
+	chain := []string{string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})), string(m.BundlePEM())}
 	return &Issued{Leaf: leaf, ChainPEM: chain}, nil
 }
 

@@ -30,6 +30,10 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	pb "istio.io/api/security/v1alpha1"
 
+	"istio.io/istio/pkg/security"
+	"istio.io/istio/security/pkg/nodeagent/caclient/providers/citadel"
+	pkiutil "istio.io/istio/security/pkg/pki/util"
+
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 )
@@ -328,9 +332,35 @@ func TestCARotation(t *testing.T) {
 			t.Errorf("during the overlap the %s leaf does not verify against the bundle: %v", name, err)
 		}
 	}
-	resp, err := ta.request("tok-a", &pb.IstioCertificateRequest{Csr: newCSR(t, key, webID)})
-	if err != nil || len(resp.CertChain) != 3 {
-		t.Fatalf("chain during the overlap: %d certificates (%v), want leaf and both roots", len(resp.GetCertChain()), err)
+	// Istio's own client, as istio-agent uses it, during the overlap: the
+	// last element of the chain is its trust anchor, and must hold both
+	// roots (with one root per element, it held only the old one and the
+	// new leaf failed: "certificate signed by unknown authority").
+	chain := citadelSign(t, ta, key)
+	if len(chain) != 2 {
+		t.Fatalf("chain of %d elements, want [leaf, roots]", len(chain))
+	}
+	anchor := []byte(chain[len(chain)-1])
+	if n := bytes.Count(anchor, []byte("BEGIN CERTIFICATE")); n != 2 {
+		t.Errorf("the last element holds %d roots during the overlap, want both", n)
+	}
+	keyPEM, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	privPEM := pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyPEM})
+	// What istio-agent checks of a workload certificate.
+	workloadFields := &pkiutil.VerifyFields{
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+		Host:        webID,
+	}
+	if err := pkiutil.VerifyCertificate(privPEM, []byte(chain[0]), anchor, workloadFields); err != nil {
+		t.Errorf("Istio's VerifyCertificate on the new leaf and the chain's anchor: %v", err)
+	}
+	oldLeafPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: oldLeaf.Raw})
+	if err := pkiutil.VerifyCertificate(privPEM, oldLeafPEM, anchor, workloadFields); err != nil {
+		t.Errorf("Istio's VerifyCertificate on the old leaf and the chain's anchor: %v", err)
 	}
 
 	if err := identity.RetireDir(dir); err != nil {
@@ -355,3 +385,34 @@ func waitFor(t *testing.T, cond func() bool) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// citadelSign asks for a certificate with Istio's CitadelClient, the CA
+// client istio-agent uses, trusting the agent's bundle.
+func citadelSign(t *testing.T, ta *testAgent, key crypto.Signer) []string {
+	t.Helper()
+	rootFile := filepath.Join(t.TempDir(), "root-cert.pem")
+	if err := os.WriteFile(rootFile, ta.rootPEM(t), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	client, err := citadel.NewCitadelClient(&security.Options{
+		CAEndpoint:  ta.GRPCAddr,
+		ClusterID:   "Kubernetes",
+		CredFetcher: staticToken("tok-a"),
+	}, &citadel.TLSOptions{RootCert: rootFile})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	chain, err := client.CSRSign([]byte(newCSR(t, key, webID)), 3600)
+	if err != nil {
+		t.Fatalf("CitadelClient.CSRSign: %v", err)
+	}
+	return chain
+}
+
+// staticToken is a security.CredFetcher of one token.
+type staticToken string
+
+func (s staticToken) GetPlatformCredential() (string, error) { return string(s), nil }
+func (staticToken) GetIdentityProvider() string              { return "" }
+func (staticToken) Stop()                                    {}

@@ -3,6 +3,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"path/filepath"
 
@@ -50,7 +51,10 @@ func caCmd() *cobra.Command {
 		Short: "End a rotation: only the signing root stays trusted",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := identity.RetireDir(dir()); err != nil {
+			if err := identity.RetireDir(dir()); errors.Is(err, identity.ErrNothingToRetire) {
+				fmt.Fprintf(cmd.OutOrStdout(), "Nothing to retire: %s trusts only its signing root (no rotation in progress).\n", dir())
+				return nil
+			} else if err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "Older roots retired in %s.\n", dir())

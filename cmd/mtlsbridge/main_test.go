@@ -5,10 +5,12 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 )
 
@@ -121,5 +123,20 @@ func TestDBCommandsWithoutAgent(t *testing.T) {
 	err := cmd.Execute()
 	if err == nil || !strings.Contains(err.Error(), "is `mtlsbridge agent` running with the same --state-dir") {
 		t.Fatalf("got %v", err)
+	}
+}
+
+// ca retire without a rotation in progress says there is nothing to retire.
+func TestCARetireWithNothingToRetire(t *testing.T) {
+	stateDir := t.TempDir()
+	if _, err := identity.LoadDir(filepath.Join(stateDir, "ca"), "cluster.local", true); err != nil {
+		t.Fatal(err)
+	}
+	cmd := rootCmd()
+	var out bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetArgs([]string{"ca", "retire", "--state-dir=" + stateDir})
+	if err := cmd.Execute(); err != nil || !strings.Contains(out.String(), "Nothing to retire") {
+		t.Errorf("ca retire: %v, %q", err, out.String())
 	}
 }
