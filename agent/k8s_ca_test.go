@@ -9,9 +9,11 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/json"
 	"encoding/pem"
 	"fmt"
 	"net"
+	"net/http"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -32,6 +34,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/api/client"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
@@ -241,4 +245,48 @@ func caClient(t *testing.T, a *k8sAgent, from string) pb.IstioCertificateService
 	must(t, err)
 	t.Cleanup(func() { conn.Close() })
 	return pb.NewIstioCertificateServiceClient(conn)
+}
+
+// Readiness covers what the node's service depends on: with the CA Secret
+// missing (every TLS client would get "internal error"), /healthz names
+// it and says not ready; once the Secret exists, the agent loads it and
+// is ready.
+func TestReadinessNamesMissingCA(t *testing.T) {
+	cfg := kubetest.Start(t)
+	kubetest.ApplyCiliumCRDs(t, cfg)
+	kube := kubernetes.NewForConfigOrDie(cfg)
+	a := startAgent(t, cfg, "--ca-reload-interval=100ms")
+	health := func() api.Health {
+		var h api.Health
+		resp, err := client.New(a.stateDir).Do(t.Context(), http.MethodGet, "/healthz", "", nil)
+		if err == nil {
+			json.NewDecoder(resp.Body).Decode(&h)
+			resp.Body.Close()
+		}
+		return h
+	}
+	waitHealth := func(what string, ok func(api.Health) bool) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for h := health(); !ok(h); h = health() {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: /healthz says %+v", what, h)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	waitHealth("the missing CA named", func(h api.Health) bool {
+		return !h.Ready && len(h.Pending) == 0 && strings.Contains(h.Failing["ca-material"], "kube-system/mtlsbridge-ca")
+	})
+	if h := health(); h.Failing["token-review"] != "" {
+		t.Errorf("token reviews fail with admin credentials: %v", h.Failing)
+	}
+	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
+	must(t, err)
+	_, err = kube.CoreV1().Secrets("kube-system").Create(t.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca", Namespace: "kube-system"},
+		Data:       map[string][]byte{identity.CACertFile: certPEM, identity.CAKeyFile: keyPEM},
+	}, metav1.CreateOptions{})
+	must(t, err)
+	waitHealth("ready once the Secret exists", func(h api.Health) bool { return h.Ready })
 }

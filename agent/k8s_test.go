@@ -178,7 +178,7 @@ type k8sAgent struct {
 	stateDir    string
 }
 
-func startAgent(t *testing.T, cfg *rest.Config) *k8sAgent {
+func startAgent(t *testing.T, cfg *rest.Config, extraFlags ...string) *k8sAgent {
 	kubeconfig := kubetest.WriteKubeconfig(t, cfg)
 	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
 	must(t, err)
@@ -192,8 +192,8 @@ func startAgent(t *testing.T, cfg *rest.Config) *k8sAgent {
 		}))
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)
-	must(t, flags.Parse([]string{"--source=k8s", "--kubeconfig=" + kubeconfig, "--state-dir=" + stateDir, "--node-name=node-a", "--grpc-listen=127.0.0.1:0",
-		"--enable-redirect=false"}))
+	must(t, flags.Parse(append([]string{"--source=k8s", "--kubeconfig=" + kubeconfig, "--state-dir=" + stateDir, "--node-name=node-a", "--grpc-listen=127.0.0.1:0",
+		"--enable-redirect=false"}, extraFlags...)))
 	log := hivetest.Logger(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -31,6 +31,7 @@ type serverParams struct {
 	Health   cell.Health
 	Metrics  *prometheus.Registry
 	Handlers []Handler `group:"api-handlers"`
+	Checks   []Check   `group:"readiness-checks"`
 }
 
 // StatedbPrefix is where statedb's HTTP API (/dump, /dump/TABLE, /query,
@@ -42,7 +43,7 @@ func registerServer(p serverParams) {
 	mux.Handle(StatedbPrefix+"/", http.StripPrefix(StatedbPrefix, p.DB.HTTPHandler()))
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.Metrics, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-		writeHealth(w, p.DB)
+		writeHealth(w, health(p.DB, p.Checks))
 	})
 	for _, h := range p.Handlers {
 		mux.Handle(h.Pattern, h.Handler)
@@ -73,21 +74,57 @@ func registerServer(p serverParams) {
 // Health is the answer of /healthz.
 type Health struct {
 	// Ready is true once every table has been initialized by its sources
-	// and derivations.
+	// and derivations and no Check fails.
 	Ready bool `json:"ready"`
 	// Pending lists the tables still waiting, with their pending initializers.
 	Pending map[string][]string `json:"pending,omitempty"`
+	// Failing names each failing check of the node's service, with why.
+	Failing map[string]string `json:"failing,omitempty"`
+	// Warnings are conditions an operator should know of that do not
+	// stop the agent from being ready.
+	Warnings map[string]string `json:"warnings,omitempty"`
 }
 
-func writeHealth(w http.ResponseWriter, db *statedb.DB) {
+// Check is a condition of the agent's readiness beyond its tables: a
+// dependency of what the node's mTLS agent is served (CA material, token
+// reviews, the node's taint). A Warning check is reported without making
+// the agent unready.
+type Check struct {
+	Name    string
+	Err     func() error
+	Warning bool
+}
+
+// CheckOut adds a Check.
+type CheckOut struct {
+	cell.Out
+
+	Check Check `group:"readiness-checks"`
+}
+
+// health computes the agent's readiness now.
+func health(db *statedb.DB, checks []Check) Health {
 	txn := db.ReadTxn()
-	h := Health{Pending: map[string][]string{}}
+	h := Health{Pending: map[string][]string{}, Failing: map[string]string{}, Warnings: map[string]string{}}
 	for _, t := range db.GetTables(txn) {
 		if pending := t.PendingInitializers(txn); len(pending) > 0 {
 			h.Pending[t.Name()] = pending
 		}
 	}
-	h.Ready = len(h.Pending) == 0
+	for _, c := range checks {
+		if err := c.Err(); err != nil {
+			if c.Warning {
+				h.Warnings[c.Name] = err.Error()
+			} else {
+				h.Failing[c.Name] = err.Error()
+			}
+		}
+	}
+	h.Ready = len(h.Pending) == 0 && len(h.Failing) == 0
+	return h
+}
+
+func writeHealth(w http.ResponseWriter, h Health) {
 	w.Header().Set("Content-Type", "application/json")
 	if !h.Ready {
 		w.WriteHeader(http.StatusServiceUnavailable)

@@ -735,13 +735,28 @@ func shellSays(t *testing.T, c *cluster, r *agentRun, command []string, parts ..
 	})
 }
 
+// healthSays waits until `mtlsbridge health` (the readiness probe) prints
+// every one of parts.
+func healthSays(t *testing.T, c *cluster, r *agentRun, parts ...string) {
+	t.Helper()
+	waitFor(t, r, fmt.Sprintf("%q in mtlsbridge health", parts), func() error {
+		out, _ := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "health", "--state-dir="+r.stateDir).CombinedOutput()
+		for _, p := range parts {
+			if !strings.Contains(string(out), p) {
+				return fmt.Errorf("not yet:\n%s", out)
+			}
+		}
+		return nil
+	})
+}
+
 // neverReady checks that the readiness probe fails now and still fails a
 // while later (a working agent is ready within a second here).
 func neverReady(t *testing.T, c *cluster, r *agentRun) {
 	t.Helper()
 	for range 2 {
 		if err := r.probe(c.sidecar.ReadinessProbe, c.bin); err == nil {
-			out, _ := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "shell", "--state-dir="+r.stateDir, "--", "db/initialized", "--timeout=1s").CombinedOutput()
+			out, _ := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "health", "--state-dir="+r.stateDir).CombinedOutput()
 			t.Errorf("the agent reports ready:\n%s", out)
 			return
 		}
@@ -770,9 +785,11 @@ func TestAgentNeedsEachGrant(t *testing.T) {
 			}
 		}},
 		{name: "update nodes", without: []permission{{"", "nodes", "update"}}, check: func(t *testing.T, r *agentRun) {
-			// The agent only reports it as its module's health, which
-			// neither its log nor its shell shows (see README.md, "Install on a Cilium cluster"):
-			// the API server's audit log is where it shows.
+			// The agent says it (log, readiness naming the taint) and
+			// the API server's audit log shows the refused update.
+			logSays(t, r, "keeps its readiness taint", "forbidden")
+			healthSays(t, c, r, `"ready-taint"`, "forbidden")
+			neverReady(t, c, r)
 			waitFor(t, r, "a refused update of node-a in the audit log", func() error {
 				if _, refused, _ := c.used(t); refused[permission{"", "nodes", "update"}] == 0 {
 					return fmt.Errorf("not yet")
@@ -784,7 +801,9 @@ func TestAgentNeedsEachGrant(t *testing.T) {
 			}
 		}},
 		{name: "create tokenreviews", without: []permission{{"authentication.k8s.io", "tokenreviews", "create"}}, check: func(t *testing.T, r *agentRun) {
-			waitFor(t, r, "the readiness probe", func() error { return r.probe(c.sidecar.ReadinessProbe, c.bin) })
+			// Readiness names it before any mTLS agent tries.
+			healthSays(t, c, r, `"token-review"`, "forbidden")
+			neverReady(t, c, r)
 			if _, err := c.caRequest(t, r); err == nil || !strings.Contains(err.Error(), "forbidden") {
 				t.Errorf("certificate request without TokenReview: %v, want refused, naming forbidden", err)
 			}

@@ -13,9 +13,11 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -26,6 +28,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
@@ -58,6 +61,10 @@ type Authenticator struct {
 	verify    func(ctx context.Context, token string) (Caller, error)
 	// logs throttles the refusal warnings strangers can cause at will.
 	logs *logthrottle.Throttle
+	// probe asks the API server for a review (Kubernetes mode); probeErr
+	// is what the last probe found.
+	probe    func(context.Context) error
+	probeErr atomic.Pointer[error]
 	// slots bound, per method, the requests of authenticated callers that
 	// may be read at once (a compromised agent pod can send messages up to
 	// the listener's size limit).
@@ -102,20 +109,26 @@ func newAuthenticator(p authParams) (*Authenticator, error) {
 	}
 	switch {
 	case p.Mode == ingest.Kubernetes:
-		review, err := tokenReview(p.Clients, p.Config, newReviewBudget(budget{p.Config.TokenReviewQPS, p.Config.TokenReviewBurst}, peerBudget, a.isLocalAgent))
+		kube, err := reviewClient(p.Clients, p.Config)
 		if err != nil {
 			return nil, err
 		}
-		a.verify = newReviewCache(review).verify
+		budget := newReviewBudget(budget{p.Config.TokenReviewQPS, p.Config.TokenReviewBurst}, peerBudget, a.isLocalAgent)
+		a.verify = newReviewCache(reviewer(kube, p.Config.TokenAudiences, budget)).verify
+		a.probe = func(ctx context.Context) error { return probeTokenReview(ctx, kube) }
 	case p.Config.TokenFile != "":
 		a.verify = tokenFile(p.Config.TokenFile)
 	default:
 		a.verify = func(context.Context, string) (Caller, error) {
-			return Caller{}, refusal(codes.Unauthenticated, "no-token-source", "no --token-file configured: no caller can authenticate")
+			return Caller{}, refusal(codes.Unauthenticated, "no-token-source", "%v", ErrNoTokenSource)
 		}
+		p.Log.Warn("Folder mode without --token-file: no mTLS agent can authenticate, so none gets workloads or certificates")
 	}
 	return a, nil
 }
+
+// ErrNoTokenSource: folder mode without --token-file.
+var ErrNoTokenSource = errors.New("folder mode without --token-file: no mTLS agent can authenticate")
 
 // tapTimeout bounds the authentication of one stream (a TokenReview when
 // the token is not cached). gRPC runs the tap in the connection's reader:
@@ -260,14 +273,27 @@ const (
 // a client of their own, so that strangers with junk tokens can neither
 // delay the agent's watches and patches nor wait in line before the real
 // mTLS agent: beyond the budget a review is refused at once.
-func tokenReview(c *ingest.Clients, cfg Config, budget *reviewBudget) (func(context.Context, string) (Caller, error), error) {
+func reviewClient(c *ingest.Clients, cfg Config) (kubernetes.Interface, error) {
 	restCfg := rest.CopyConfig(c.Config)
 	restCfg.QPS, restCfg.Burst = float32(cfg.TokenReviewQPS), cfg.TokenReviewBurst
 	kube, err := kubernetes.NewForConfig(restCfg)
 	if err != nil {
 		return nil, fmt.Errorf("TokenReview client: %w", err)
 	}
-	return reviewer(kube, cfg.TokenAudiences, budget), nil
+	return kube, nil
+}
+
+// probeTokenReview asks the API server to review a token that is none:
+// an answer, whatever it says, shows that reviews can be made (reachable,
+// and permitted by RBAC).
+func probeTokenReview(ctx context.Context, kube kubernetes.Interface) error {
+	_, err := kube.AuthenticationV1().TokenReviews().Create(ctx, &authnv1.TokenReview{
+		Spec: authnv1.TokenReviewSpec{Token: "mtlsbridge-readiness-probe"},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		return fmt.Errorf("TokenReview: %w", err)
+	}
+	return nil
 }
 
 // reviewer reviews tokens with kube within budget.
@@ -315,4 +341,59 @@ func (e *refusalError) GRPCStatus() *status.Status { return e.status }
 
 func refusal(code codes.Code, reason, format string, args ...any) error {
 	return &refusalError{reason: reason, status: status.New(code, fmt.Sprintf(format, args...))}
+}
+
+// reviewProbeInterval is how often token reviews are probed: a readiness
+// that names a forbidden or unreachable TokenReview API, before the mTLS
+// agent finds out.
+const reviewProbeInterval = 30 * time.Second
+
+func registerReviewProbe(a *Authenticator, jobs job.Registry, health cell.Health, log *slog.Logger) {
+	if a.probe == nil {
+		return
+	}
+	notYet := errors.New("TokenReview not probed yet")
+	a.probeErr.Store(&notYet)
+	jobs.NewGroup(health).Add(job.OneShot("probe-token-review", func(ctx context.Context, health cell.Health) error {
+		var last error = notYet
+		for {
+			probeCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			err := a.probe(probeCtx)
+			cancel()
+			if ctx.Err() != nil {
+				return nil
+			}
+			a.probeErr.Store(&err)
+			switch {
+			case err != nil:
+				health.Degraded("token reviews fail", err)
+				if last == nil || last == notYet {
+					log.Error("Token reviews fail: the mTLS agent cannot authenticate", "error", err)
+				}
+			case last != nil:
+				health.OK("token reviews work")
+				if last != notYet {
+					log.Info("Token reviews work again")
+				}
+			}
+			last = err
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(reviewProbeInterval):
+			}
+		}
+	}))
+}
+
+func readinessCheck(a *Authenticator, p authParams) api.CheckOut {
+	if p.Mode != ingest.Kubernetes && p.Config.TokenFile == "" {
+		return api.CheckOut{Check: api.Check{Name: "token-source", Warning: true, Err: func() error { return ErrNoTokenSource }}}
+	}
+	return api.CheckOut{Check: api.Check{Name: "token-review", Err: func() error {
+		if a.probe == nil {
+			return nil
+		}
+		return *a.probeErr.Load()
+	}}}
 }

@@ -25,6 +25,10 @@ var Cell = cell.Module(
 	cell.Provide(newAuthenticator),
 	// Counts refused callers by reason.
 	cell.Provide(newMetrics),
+	// Readiness: token reviews work (Kubernetes mode), or a warning that no
+	// caller can authenticate (folder mode without --token-file).
+	cell.Provide(readinessCheck),
+	cell.Invoke(registerReviewProbe),
 	// The listener; tests ask it for its address.
 	cell.Provide(newServer),
 	cell.Invoke(func(*Server) {}),

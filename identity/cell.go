@@ -18,6 +18,7 @@ import (
 	pb "istio.io/api/security/v1alpha1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/internal/atomicfile"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
@@ -35,6 +36,10 @@ var Cell = cell.Module(
 	cell.Provide(newMetrics),
 	// The CA's material, loaded and reloaded by the loader below.
 	cell.Provide(func() *Authority { return &Authority{} }),
+	// Readiness: without material, every TLS client of the listener fails.
+	cell.Provide(func(a *Authority) api.CheckOut {
+		return api.CheckOut{Check: api.Check{Name: "ca-material", Err: func() error { _, err := a.Material(); return err }}}
+	}),
 	// The gRPC listener's own certificate comes from this CA unless files are given.
 	cell.Provide(func(a *Authority) grpcserver.ServingCertSource { return a }),
 	// The issued certificates, written only by the CA service.

@@ -140,3 +140,20 @@ func TestCARetireWithNothingToRetire(t *testing.T) {
 		t.Errorf("ca retire: %v, %q", err, out.String())
 	}
 }
+
+// Folder mode without --token-file starts, but says at once (log and
+// /healthz warnings) that no mTLS agent can authenticate.
+func TestFolderModeWithoutTokenFileSaysSo(t *testing.T) {
+	a := agenttest.Start(t, "../../testdata/demo", nil, "--token-file=")
+	cmd := rootCmd()
+	var out bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetArgs([]string{"health", "--state-dir=" + a.StateDir})
+	err := cmd.Execute()
+	if !strings.Contains(out.String(), `"token-source"`) || !strings.Contains(out.String(), "no mTLS agent can authenticate") {
+		t.Errorf("mtlsbridge health (%v) does not warn:\n%s", err, out.String())
+	}
+	if !strings.Contains(a.Logs.String(), "Folder mode without --token-file") {
+		t.Error("no log line at start")
+	}
+}

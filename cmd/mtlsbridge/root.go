@@ -28,7 +28,7 @@ func rootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(agentCmd(), dbCmd(), caCmd(), bypassCmd(), shellCmd(), versionCmd())
+	root.AddCommand(agentCmd(), dbCmd(), caCmd(), bypassCmd(), healthCmd(), shellCmd(), versionCmd())
 	return root
 }
 

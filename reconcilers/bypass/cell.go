@@ -48,7 +48,10 @@ var Cell = cell.Module(
 	cell.Invoke(registerJob),
 	// GET /v1/bypass: check now.
 	cell.Provide(apiHandler),
-	// In Kubernetes mode, --ready-taint removed from the node once ready.
+	// In Kubernetes mode, --ready-taint removed from the node once ready;
+	// a removal that fails is logged and fails readiness.
+	cell.ProvidePrivate(func() *taintState { return &taintState{} }),
+	cell.Provide(taintCheck),
 	cell.Invoke(registerTaintRemoval),
 )
 

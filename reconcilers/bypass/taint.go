@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -17,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/util/retry"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
@@ -78,6 +80,17 @@ type taintParams struct {
 	Log     *slog.Logger
 	Mode    ingest.Mode     `optional:"true"`
 	Clients *ingest.Clients `optional:"true"`
+	State   *taintState
+}
+
+// taintState is what the removal of --ready-taint found last.
+type taintState struct{ err atomic.Pointer[error] }
+
+func (s *taintState) Err() error {
+	if p := s.err.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
 
 // registerTaintRemoval removes --ready-taint from this node once the
@@ -94,6 +107,7 @@ func registerTaintRemoval(p taintParams) error {
 	if p.Mode != ingest.Kubernetes {
 		return ErrTaintNeedsKubernetes
 	}
+	state := p.State
 	p.Jobs.Add(job.OneShot("remove-ready-taint", func(ctx context.Context, health cell.Health) error {
 		health.OK("waiting until ready")
 		select {
@@ -102,16 +116,24 @@ func registerTaintRemoval(p taintParams) error {
 		case <-p.Checker.Ready():
 		}
 		backoff := time.Second
-		for {
+		for attempt := 1; ; attempt++ {
 			removed, err := removeTaint(ctx, p.Clients.Kube, p.Node.NodeName, key, effect)
 			if err == nil {
+				state.err.Store(&err)
 				if removed {
 					p.Log.Info("Ready: node taint removed", "node", p.Node.NodeName, "taint", p.Config.ReadyTaint)
 				}
 				health.OK("taint " + p.Config.ReadyTaint + " absent")
 				return nil
 			}
+			err = fmt.Errorf("cannot remove taint %s from node %s: %w", p.Config.ReadyTaint, p.Node.NodeName, err)
+			state.err.Store(&err)
 			health.Degraded("cannot remove taint "+p.Config.ReadyTaint, err)
+			// Said at once, then as the backoff grows: a lasting refusal
+			// (RBAC, an admission policy) must be visible in the log.
+			if attempt == 1 || backoff >= 30*time.Second {
+				p.Log.Error("Ready, but the node keeps its readiness taint: no pod is scheduled here", "error", err, "attempt", attempt)
+			}
 			select {
 			case <-ctx.Done():
 				return nil
@@ -121,4 +143,10 @@ func registerTaintRemoval(p taintParams) error {
 		}
 	}))
 	return nil
+}
+
+// taintCheck makes the taint part of readiness: a node that cannot lose
+// it (no permission to update the node) gets no pods, and says why.
+func taintCheck(s *taintState) api.CheckOut {
+	return api.CheckOut{Check: api.Check{Name: "ready-taint", Err: s.Err}}
 }

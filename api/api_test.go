@@ -1,0 +1,177 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package api_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
+
+	"github.com/mtlsbridge/mtlsbridge/api"
+	"github.com/mtlsbridge/mtlsbridge/api/client"
+	"github.com/mtlsbridge/mtlsbridge/metrics"
+	"github.com/mtlsbridge/mtlsbridge/statedir"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// apiHive serves the local API of a hive with one table (namespaces), a
+// readiness check and a warning the test controls, and one added route.
+type apiHive struct {
+	stateDir   string
+	db         *statedb.DB
+	namespaces statedb.RWTable[*tables.Namespace]
+	initDone   func(statedb.WriteTxn)
+	checkErr   atomic.Pointer[error]
+}
+
+func startAPI(t *testing.T) *apiHive {
+	stateDir, err := os.MkdirTemp("", "mtlsb-api-") // short: socket paths
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(stateDir) })
+	a := &apiHive{stateDir: stateDir}
+	var none error
+	a.checkErr.Store(&none)
+	h := hive.New(
+		cell.SimpleHealthCell, job.Cell, statedb.Cell, metrics.Cell, statedir.Cell, api.Cell,
+		cell.Provide(
+			tables.NewNamespacesTable,
+			func() api.CheckOut {
+				return api.CheckOut{Check: api.Check{Name: "dependency", Err: func() error { return *a.checkErr.Load() }}}
+			},
+			func() api.HandlerOut {
+				return api.HandlerOut{Handler: api.Handler{Pattern: "GET /v1/hello", Handler: http.HandlerFunc(
+					func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, "hello") })}}
+			},
+		),
+		cell.Provide(func() api.CheckOut {
+			return api.CheckOut{Check: api.Check{Name: "advice", Warning: true, Err: func() error { return errors.New("consider this") }}}
+		}),
+		cell.Invoke(func(db *statedb.DB, ns statedb.RWTable[*tables.Namespace]) {
+			a.db, a.namespaces = db, ns
+			txn := db.WriteTxn(ns)
+			a.initDone = ns.RegisterInitializer(txn, "test")
+			txn.Commit()
+		}),
+	)
+	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	if err := flags.Parse([]string{"--state-dir=" + stateDir}); err != nil {
+		t.Fatal(err)
+	}
+	log := hivetest.Logger(t)
+	if err := h.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	return a
+}
+
+func (a *apiHive) health(t *testing.T) (int, api.Health) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, err := client.New(a.stateDir).Do(t.Context(), http.MethodGet, "/healthz", "", nil)
+		if err == nil {
+			defer resp.Body.Close()
+			var h api.Health
+			if err := json.NewDecoder(resp.Body).Decode(&h); err != nil {
+				t.Fatal(err)
+			}
+			return resp.StatusCode, h
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// /healthz is ready only once every table is initialized and every check
+// passes; it names what it waits for and what fails; warnings do not
+// make it unready.
+func TestHealthz(t *testing.T) {
+	a := startAPI(t)
+	code, h := a.health(t)
+	if code != http.StatusServiceUnavailable || h.Ready || len(h.Pending["namespaces"]) != 1 {
+		t.Fatalf("before initialization: %d %+v", code, h)
+	}
+	if h.Warnings["advice"] != "consider this" {
+		t.Errorf("warnings %v", h.Warnings)
+	}
+
+	txn := a.db.WriteTxn(a.namespaces)
+	a.initDone(txn)
+	txn.Commit()
+	broken := errors.New("the CA is gone")
+	a.checkErr.Store(&broken)
+	if code, h := a.health(t); code != http.StatusServiceUnavailable || h.Ready || h.Failing["dependency"] != "the CA is gone" {
+		t.Fatalf("a failing check: %d %+v", code, h)
+	}
+	var none error
+	a.checkErr.Store(&none)
+	if code, h := a.health(t); code != http.StatusOK || !h.Ready || len(h.Failing) != 0 || h.Warnings["advice"] == "" {
+		t.Fatalf("ready with a warning: %d %+v", code, h)
+	}
+}
+
+// The routes: statedb's dump, metrics with the process's own, added routes.
+func TestRoutes(t *testing.T) {
+	a := startAPI(t)
+	a.health(t) // serving
+	txn := a.db.WriteTxn(a.namespaces)
+	a.namespaces.Insert(txn, &tables.Namespace{Name: "app"})
+	txn.Commit()
+	get := func(path string) string {
+		resp, err := client.New(a.stateDir).Do(t.Context(), http.MethodGet, path, "", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("GET %s: %s", path, resp.Status)
+		}
+		return string(b)
+	}
+	if body := get(api.StatedbPrefix + "/dump"); !strings.Contains(body, `"namespaces"`) || !strings.Contains(body, `"app"`) {
+		t.Errorf("dump: %s", body)
+	}
+	if body := get("/metrics"); !strings.Contains(body, "process_resident_memory_bytes") {
+		t.Error("metrics without the process's own")
+	}
+	if body := get("/v1/hello"); body != "hello" {
+		t.Errorf("added route: %q", body)
+	}
+}
+
+// The shell offers the commands that read, and nothing else.
+func TestShellReadsOnly(t *testing.T) {
+	a := startAPI(t)
+	a.health(t)
+	var out strings.Builder
+	if err := client.Shell(t.Context(), a.stateDir, &out, "db"); err != nil || !strings.Contains(out.String(), "namespaces") {
+		t.Fatalf("db: %v %q", err, out.String())
+	}
+	for _, line := range []string{"exec id", "cat /etc/hostname", "db/insert namespaces x.yaml", "db/delete namespaces x.yaml",
+		"db/show --out=/tmp/x namespaces", "db/dump"} {
+		if err := client.Shell(t.Context(), a.stateDir, io.Discard, line); err == nil {
+			t.Errorf("the shell ran %q", line)
+		}
+	}
+}
