@@ -118,6 +118,23 @@ type Server struct {
 	Config *rest.Config
 	// AuditLog is the audit log file, empty without Options.AuditPolicy.
 	AuditLog string
+
+	bin, logPath string
+	args         []string
+	apiserver    *process
+}
+
+// Restart kills kube-apiserver, waits down, and starts it again on the same
+// port with the same state (etcd keeps running), as a crash or an upgrade
+// of the control plane does. It returns once the server is ready again.
+func (s *Server) Restart(t testing.TB, down time.Duration) {
+	t.Helper()
+	s.apiserver.kill()
+	time.Sleep(down)
+	s.apiserver = startProcess(t, "kube-apiserver", s.bin, s.logPath, s.args...)
+	if err := waitFor(s.apiserver, startTimeout, func() (bool, error) { return readyz(s.Config) }); err != nil {
+		t.Fatalf("kubetest: kube-apiserver not ready after a restart: %v\n%s", err, s.apiserver.logTail())
+	}
 }
 
 // StartServer is Start with options.
@@ -185,7 +202,9 @@ func StartServer(t testing.TB, opts Options) *Server {
 			"--audit-log-mode=blocking",
 		)
 	}
-	apiserver := startProcess(t, "kube-apiserver", apiserverBin, filepath.Join(dir, "kube-apiserver.log"), args...)
+	srv.bin, srv.logPath, srv.args = apiserverBin, filepath.Join(dir, "kube-apiserver.log"), args
+	apiserver := startProcess(t, "kube-apiserver", apiserverBin, srv.logPath, args...)
+	srv.apiserver = apiserver
 
 	host := "https://" + net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
 	certFile := filepath.Join(certDir, "apiserver.crt")
@@ -431,6 +450,8 @@ type process struct {
 	// tailShown is set once a failure message has included the log tail,
 	// so that the cleanup does not log it again.
 	tailShown bool
+	// kill stops the process with SIGKILL and waits for it.
+	kill func()
 }
 
 // startProcess starts bin and registers a cleanup that stops it: SIGTERM,
@@ -438,7 +459,7 @@ type process struct {
 // process's last lines of output.
 func startProcess(t testing.TB, name, bin, logPath string, args ...string) *process {
 	t.Helper()
-	logFile, err := os.Create(logPath)
+	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644) // a restart appends
 	if err != nil {
 		t.Fatalf("kubetest: %v", err)
 	}
@@ -455,6 +476,7 @@ func startProcess(t testing.TB, name, bin, logPath string, args ...string) *proc
 		t.Fatalf("kubetest: starting %s: %v", name, err)
 	}
 	p := &process{name: name, logPath: logPath, done: make(chan struct{})}
+	p.kill = func() { cmd.Process.Kill(); <-p.done }
 	go func() {
 		p.err = cmd.Wait()
 		logFile.Close()
