@@ -22,6 +22,9 @@ var Cell = cell.Module(
 	cell.Invoke(registerServer),
 	// shell.sock: the script commands that only read.
 	cell.Invoke(registerShell),
+	// show: rows filtered by namespace, pod or node, as a table, JSON or
+	// YAML, once or as they change (db show).
+	cell.Provide(showCmd),
 )
 
 // Handler serves one route of the local API, e.g. "GET /v1/bypass".

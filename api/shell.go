@@ -33,6 +33,7 @@ import (
 var ReadOnlyCommands = []string{
 	"help",
 	"health",
+	ShowCommand,
 	"db", "db/show", "db/get", "db/prefix", "db/list", "db/lowerbound", "db/watch", "db/initialized",
 	"redirect/map", "redirect/attached",
 }

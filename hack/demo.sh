@@ -32,8 +32,18 @@ for _ in $(seq 1 100); do
 	sleep 0.1
 done
 
-for table in sources policies enrollments; do
-	echo "== mtlsbridge db show ${table}"
-	"${bin}" db show "${table}" --state-dir="${state}"
+show() {
+	echo "== mtlsbridge $*"
+	"${bin}" "$@" --state-dir="${state}" || true
 	echo
+}
+show db show
+for table in sources policies enrollments; do
+	show db show "${table}"
 done
+show db show enrollments --namespace=shop
+# The datapath is off here: the rows say what would be steered, and that
+# nothing is applied.
+show db show redirects
+show db show workloads --pod=shop/frontend -o yaml
+show health

@@ -26,6 +26,8 @@ type Certificate struct {
 	NotAfter time.Time `json:"notAfter"`
 }
 
+func (c *Certificate) Scope() tables.Scope { return tables.PodScope(c.Pod, "") }
+
 func (c *Certificate) TableHeader() []string {
 	return []string{"Serial", "SpiffeID", "Pod", "IssuedAt", "NotAfter"}
 }

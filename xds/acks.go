@@ -4,9 +4,12 @@ package xds
 
 import (
 	"strconv"
+	"strings"
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // AcksTableName is the name of the table of acknowledged workloads.
@@ -26,6 +29,11 @@ type Ack struct {
 
 func (a *Ack) key() index.Key {
 	return index.String(strconv.FormatUint(a.Stream, 10) + "/" + a.UID)
+}
+
+func (a *Ack) Scope() tables.Scope {
+	_, pod, _ := strings.Cut(a.UID, "//Pod/")
+	return tables.PodScope(pod, "")
 }
 
 func (a *Ack) TableHeader() []string { return []string{"Stream", "UID", "HBONE"} }

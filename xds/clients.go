@@ -9,6 +9,8 @@ import (
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // ClientsTableName is the name of the table of xDS streams.
@@ -32,6 +34,8 @@ type Client struct {
 	Nacks          int       `json:"nacks"`
 	ConnectedSince time.Time `json:"connectedSince"`
 }
+
+func (c *Client) Scope() tables.Scope { return tables.PodScope(c.Pod, "") }
 
 func (c *Client) TableHeader() []string {
 	return []string{"ID", "Pod", "Peer", "NodeID", "Subscriptions", "Acked", "Sent", "Nacks", "LastNack", "Since"}

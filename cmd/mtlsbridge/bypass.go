@@ -77,7 +77,8 @@ func fetchBypass(ctx context.Context, stateDir string) (bypass.Report, error) {
 // printBypass prints one line per gap, the pod named on its first.
 func printBypass(w io.Writer, rep bypass.Report) error {
 	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
-	fmt.Fprintln(tw, "POD\tBYPASSING\tGAP")
+	// The headers of db show bypass.
+	fmt.Fprintln(tw, "Pod\tBypassing\tGaps")
 	for _, p := range rep.Pods {
 		gaps := p.Gaps
 		if len(gaps) == 0 {

@@ -3,12 +3,9 @@
 package main
 
 import (
-	"bytes"
-	"encoding/json"
-	"errors"
-	"fmt"
 	"io"
 	"net/http"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -23,16 +20,33 @@ func dbCmd() *cobra.Command {
 	}
 	stateDir := stateDirFlag(cmd, true)
 
-	var output string
+	var (
+		output               string
+		namespace, pod, node string
+		watch                bool
+	)
 	show := &cobra.Command{
-		Use:   "show TABLE",
-		Short: "Print one table (-o table|json)",
-		Args:  cobra.ExactArgs(1),
+		Use:   "show [TABLE]",
+		Short: "Print a table's rows (-o table|json|yaml), filtered by --namespace, --pod, --node; -w follows changes; no TABLE lists the tables",
+		Args:  cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return showTable(cmd, *stateDir, args[0], output)
+			line := []string{api.ShowCommand, "--output=" + output}
+			for flag, v := range map[string]string{"namespace": namespace, "pod": pod, "node": node} {
+				if v != "" {
+					line = append(line, "--"+flag+"="+v)
+				}
+			}
+			if watch {
+				line = append(line, "--watch")
+			}
+			return client.Shell(cmd.Context(), *stateDir, cmd.OutOrStdout(), strings.Join(append(line, args...), " "))
 		},
 	}
-	show.Flags().StringVarP(&output, "output", "o", "table", "Output format: table or json")
+	show.Flags().StringVarP(&output, "output", "o", "table", "Output format: table, json or yaml")
+	show.Flags().StringVar(&namespace, "namespace", "", "Only rows of this namespace")
+	show.Flags().StringVar(&pod, "pod", "", "Only rows of this pod (NAME with --namespace, or NAMESPACE/NAME)")
+	show.Flags().StringVar(&node, "node", "", "Only rows of this node")
+	show.Flags().BoolVarP(&watch, "watch", "w", false, "Go on printing the rows that change")
 
 	dump := &cobra.Command{
 		Use:   "dump",
@@ -53,37 +67,4 @@ func dbCmd() *cobra.Command {
 	}
 	cmd.AddCommand(show, dump)
 	return cmd
-}
-
-// showTable runs the shell's db/show and prints its rows, as a table or as
-// a JSON array of row objects.
-func showTable(cmd *cobra.Command, stateDir, table, output string) error {
-	ctx, w := cmd.Context(), cmd.OutOrStdout()
-	switch output {
-	case "table":
-		return client.Shell(ctx, stateDir, w, "db/show "+table)
-	case "json":
-		var buf bytes.Buffer
-		if err := client.Shell(ctx, stateDir, &buf, "db/show --format=json "+table); err != nil {
-			return err
-		}
-		rows := []json.RawMessage{}
-		dec := json.NewDecoder(&buf)
-		for {
-			var row json.RawMessage
-			if err := dec.Decode(&row); errors.Is(err, io.EOF) {
-				break
-			} else if err != nil {
-				return fmt.Errorf("agent answered with malformed JSON: %w", err)
-			}
-			rows = append(rows, row)
-		}
-		out, err := json.MarshalIndent(rows, "", "  ")
-		if err != nil {
-			return err
-		}
-		_, err = fmt.Fprintf(w, "%s\n", out)
-		return err
-	}
-	return fmt.Errorf("--output=%q: want table or json", output)
 }

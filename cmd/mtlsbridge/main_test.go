@@ -4,7 +4,10 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
+	"io"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -156,4 +159,86 @@ func TestFolderModeWithoutTokenFileSaysSo(t *testing.T) {
 	if !strings.Contains(a.Logs.String(), "Folder mode without --token-file") {
 		t.Error("no log line at start")
 	}
+}
+
+// db show answers an operator's questions: rows of a namespace, a pod or a
+// node, as a table, JSON or YAML; what the mTLS agent is told, decoded;
+// the tables there are; and rows as they change.
+func TestDBShowViews(t *testing.T) {
+	manifests := t.TempDir()
+	for _, f := range []string{"00-cluster.yaml", "10-workloads.yaml", "20-policies.yaml"} {
+		b, err := os.ReadFile(filepath.Join("../../testdata/demo", f))
+		must(t, err)
+		must(t, os.WriteFile(filepath.Join(manifests, f), b, 0o644))
+	}
+	a := agenttest.Start(t, manifests, nil)
+	run := func(ctx context.Context, out io.Writer, args ...string) error {
+		cmd := rootCmd()
+		cmd.SetOut(out)
+		cmd.SetArgs(append(args, "--state-dir="+a.StateDir))
+		return cmd.ExecuteContext(ctx)
+	}
+	show := func(args ...string) string {
+		t.Helper()
+		var out bytes.Buffer
+		if err := run(t.Context(), &out, append([]string{"db", "show"}, args...)...); err != nil {
+			t.Fatalf("db show %v: %v", args, err)
+		}
+		return out.String()
+	}
+
+	if out := show("enrollments", "--namespace=shop"); !strings.Contains(out, "shop/frontend") || strings.Contains(out, "payments/") {
+		t.Errorf("--namespace=shop:\n%s", out)
+	}
+	var rows []map[string]any
+	must(t, json.Unmarshal([]byte(show("enrollments", "--node=node-b", "-o", "json")), &rows))
+	for _, r := range rows {
+		if r["node"] != "node-b" {
+			t.Errorf("--node=node-b gave %v", r)
+		}
+	}
+	if len(rows) == 0 {
+		t.Error("--node=node-b gave no rows")
+	}
+	if out := show("enrollments", "--pod=payments/checkout", "-o", "yaml"); !strings.Contains(out, "pod: checkout") || strings.Contains(out, "ledger") {
+		t.Errorf("--pod -o yaml:\n%s", out)
+	}
+	var workloads []struct {
+		UID      string
+		Version  string
+		Workload map[string]any
+	}
+	must(t, json.Unmarshal([]byte(show("workloads", "-o", "json", "--pod=shop/frontend")), &workloads))
+	if len(workloads) != 1 || workloads[0].Workload["name"] != "frontend" || workloads[0].Workload["serviceAccount"] != "frontend" ||
+		workloads[0].Version == "" {
+		t.Errorf("workloads decoded: %+v", workloads)
+	}
+	if out := show(); !strings.Contains(out, "enrollments") || !strings.Contains(out, "workloads") {
+		t.Errorf("db show lists no tables:\n%s", out)
+	}
+	if err := run(t.Context(), io.Discard, "db", "show", "nope"); err == nil || !strings.Contains(err.Error(), "enrollments") {
+		t.Errorf("an unknown table: %v, want the tables named", err)
+	}
+
+	// -w: the rows that change, as they change.
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	out := &agenttest.Buffer{}
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, out, "db", "show", "enrollments", "-w", "--namespace=shop") }()
+	for !strings.Contains(out.String(), "shop/frontend") {
+		if ctx.Err() != nil {
+			t.Fatalf("db show -w printed no rows:\n%s", out.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	a.WriteManifest(t, "30-more.yaml", "apiVersion: v1\nkind: Pod\nmetadata: {name: cart, namespace: shop}\nspec: {nodeName: node-a}\nstatus: {phase: Running, podIPs: [{ip: 10.0.1.77}]}\n")
+	for !strings.Contains(out.String(), "shop/cart") {
+		if ctx.Err() != nil {
+			t.Fatalf("db show -w did not print the new pod:\n%s", out.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	<-done
 }

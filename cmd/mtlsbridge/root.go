@@ -11,6 +11,7 @@ import (
 	"runtime/debug"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/shell"
@@ -33,7 +34,10 @@ func rootCmd() *cobra.Command {
 }
 
 func agentCmd() *cobra.Command {
-	h := hive.New(agent.Infrastructure, agent.Cell)
+	// Start-up steps are logged at debug level, unless one is slow.
+	opts := hive.DefaultOptions()
+	opts.LogThreshold = 100 * time.Millisecond
+	h := hive.NewWithOptions(opts, agent.Infrastructure, agent.Cell)
 	var debugLogs bool
 	cmd := &cobra.Command{
 		Use:   "agent",

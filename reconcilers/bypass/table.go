@@ -9,6 +9,8 @@ import (
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TableName is the name of the bypass table.
@@ -25,6 +27,8 @@ type Bypass struct {
 	Gaps      []string  `json:"gaps,omitempty"`
 	CheckedAt time.Time `json:"checkedAt"`
 }
+
+func (b *Bypass) Scope() tables.Scope { return tables.PodScope(b.Pod, "") }
 
 func (b *Bypass) TableHeader() []string {
 	return []string{"Pod", "Bypassing", "Gaps", "CheckedAt"}

@@ -41,6 +41,8 @@ type Enrollment struct {
 // NoteIgnoredOptOut is the Note of a row whose opt-out label was ignored.
 const NoteIgnoredOptOut = "opt-out label ignored: a policy requires authentication"
 
+func (e *Enrollment) Scope() tables.Scope { return tables.PodScope(e.Key(), e.Node) }
+
 // Key is the primary key, "namespace/pod".
 func (e *Enrollment) Key() string { return e.Namespace + "/" + e.Pod }
 

@@ -3,6 +3,7 @@
 package readiness
 
 import (
+	"encoding/json"
 	"strconv"
 
 	"github.com/cilium/statedb"
@@ -22,7 +23,18 @@ type ReadyAnnotation struct {
 	Pod   string `json:"pod"`
 	Ready bool   `json:"ready"`
 	// Status is that of publishing the annotation (Kubernetes mode).
-	Status reconciler.Status `json:"status"`
+	Status reconciler.Status `json:"-"`
+}
+
+func (r *ReadyAnnotation) Scope() tables.Scope { return tables.PodScope(r.Pod, "") }
+
+// MarshalJSON shows the row in the names every table uses.
+func (r *ReadyAnnotation) MarshalJSON() ([]byte, error) {
+	return json.Marshal(struct {
+		Pod    string            `json:"pod"`
+		Ready  bool              `json:"ready"`
+		Status tables.StatusJSON `json:"status"`
+	}{r.Pod, r.Ready, tables.NewStatusJSON(r.Status)})
 }
 
 func (r *ReadyAnnotation) clone() *ReadyAnnotation { c := *r; return &c }

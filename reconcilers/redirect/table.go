@@ -3,6 +3,7 @@
 package redirect
 
 import (
+	"encoding/json"
 	"net"
 	"net/netip"
 	"strconv"
@@ -169,4 +170,39 @@ func addrString(a netip.Addr) string {
 		return AgentAddr
 	}
 	return a.String()
+}
+
+func (r *Redirect) Scope() tables.Scope { return tables.PodScope(r.Pod, "") }
+
+func (a *Attachment) Scope() tables.Scope { return tables.PodScope(a.Pod, "") }
+
+// MarshalJSON shows a row as the table does, in the names every table uses.
+func (r *Redirect) MarshalJSON() ([]byte, error) {
+	var mac string
+	if r.MAC != nil {
+		mac = r.MAC.String()
+	}
+	return json.Marshal(struct {
+		Addr      string            `json:"addr"`
+		Kind      string            `json:"kind"`
+		Pod       string            `json:"pod,omitempty"`
+		Interface string            `json:"interface,omitempty"`
+		Ifindex   uint32            `json:"ifindex,omitempty"`
+		MAC       string            `json:"mac,omitempty"`
+		NetnsID   int32             `json:"netnsID"`
+		Problem   string            `json:"problem,omitempty"`
+		Status    tables.StatusJSON `json:"status"`
+	}{addrString(r.Addr), r.Kind.String(), r.Pod, r.Interface, r.Ifindex, mac, r.NetnsID, r.Problem, tables.NewStatusJSON(r.Status)})
+}
+
+// MarshalJSON shows a row as the table does, in the names every table uses.
+func (a *Attachment) MarshalJSON() ([]byte, error) {
+	return json.Marshal(struct {
+		Device  string            `json:"device"`
+		Ifindex int               `json:"ifindex,omitempty"`
+		Hook    string            `json:"hook"`
+		Pod     string            `json:"pod,omitempty"`
+		Problem string            `json:"problem,omitempty"`
+		Status  tables.StatusJSON `json:"status"`
+	}{a.Device, a.Ifindex, string(a.Hook), a.Pod, a.Problem, tables.NewStatusJSON(a.Status)})
 }

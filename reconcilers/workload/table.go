@@ -3,14 +3,18 @@
 package workload
 
 import (
+	"encoding/json"
 	"net/netip"
 	"strconv"
 	"strings"
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"istio.io/istio/pkg/workloadapi"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TableName is the name of the workloads table.
@@ -33,6 +37,49 @@ type Workload struct {
 	Resource []byte `json:"-"`
 }
 
+// Decode returns the Workload the resource holds (for display: the table
+// keeps it encoded).
+func (w *Workload) Decode() *workloadapi.Workload {
+	var addr workloadapi.Address
+	proto.Unmarshal(w.Resource, &addr)
+	return addr.GetWorkload()
+}
+
+func (w *Workload) Scope() tables.Scope {
+	_, pod, _ := strings.Cut(w.UID, "//Pod/")
+	return tables.PodScope(pod, w.Decode().GetNode())
+}
+
+// MarshalJSON shows what the mTLS agent is told: the Workload itself
+// (protojson, as in Istio's dumps), and the version as a string (a 64-bit
+// number loses digits in JSON tools).
+func (w *Workload) MarshalJSON() ([]byte, error) {
+	wl := w.Decode()
+	b, err := protojson.Marshal(wl)
+	if err != nil {
+		return nil, err
+	}
+	// Addresses as IPs, not base64 of their bytes (istioctl shows them so).
+	var decoded map[string]any
+	if err := json.Unmarshal(b, &decoded); err != nil {
+		return nil, err
+	}
+	if len(wl.GetAddresses()) > 0 {
+		addrs := make([]string, len(wl.GetAddresses()))
+		for i, a := range wl.GetAddresses() {
+			ip, _ := netip.AddrFromSlice(a)
+			addrs[i] = ip.String()
+		}
+		decoded["addresses"] = addrs
+	}
+	return json.Marshal(struct {
+		UID      string          `json:"uid"`
+		HBONE    bool            `json:"hbone"`
+		Version  string          `json:"version"`
+		Workload map[string]any `json:"workload"`
+	}{w.UID, w.HBONE, w.VersionString(), decoded})
+}
+
 // VersionString is the version as sent in xDS.
 func (w *Workload) VersionString() string { return strconv.FormatUint(w.Version, 16) }
 
@@ -41,9 +88,7 @@ func (w *Workload) TableHeader() []string {
 }
 
 func (w *Workload) TableRow() []string {
-	var addr workloadapi.Address
-	proto.Unmarshal(w.Resource, &addr)
-	wl := addr.GetWorkload()
+	wl := w.Decode()
 	addrs := make([]string, len(wl.GetAddresses()))
 	for i, a := range wl.GetAddresses() {
 		ip, _ := netip.AddrFromSlice(a)
