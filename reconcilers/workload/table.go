@@ -73,9 +73,9 @@ func (w *Workload) MarshalJSON() ([]byte, error) {
 		decoded["addresses"] = addrs
 	}
 	return json.Marshal(struct {
-		UID      string          `json:"uid"`
-		HBONE    bool            `json:"hbone"`
-		Version  string          `json:"version"`
+		UID      string         `json:"uid"`
+		HBONE    bool           `json:"hbone"`
+		Version  string         `json:"version"`
 		Workload map[string]any `json:"workload"`
 	}{w.UID, w.HBONE, w.VersionString(), decoded})
 }
