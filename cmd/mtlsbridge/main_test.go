@@ -120,6 +120,19 @@ func TestDBCommandsAgainstRunningAgent(t *testing.T) {
 	}
 }
 
+// Without an agent, every client command fails at once, saying why.
+func TestShellWithoutAgent(t *testing.T) {
+	for _, args := range [][]string{{"shell", "db"}, {"shell"}, {"health"}, {"bypass"}} {
+		cmd := rootCmd()
+		cmd.SetArgs(append(args, "--state-dir="+t.TempDir()))
+		start := time.Now()
+		err := cmd.Execute()
+		if err == nil || !strings.Contains(err.Error(), "is `mtlsbridge agent` running with the same --state-dir") || time.Since(start) > 5*time.Second {
+			t.Errorf("%v without an agent: %v after %s", args, err, time.Since(start))
+		}
+	}
+}
+
 func TestDBCommandsWithoutAgent(t *testing.T) {
 	cmd := rootCmd()
 	cmd.SetArgs([]string{"db", "show", "enrollments", "--state-dir=" + t.TempDir()})
@@ -212,6 +225,11 @@ func TestDBShowViews(t *testing.T) {
 	if len(workloads) != 1 || workloads[0].Workload["name"] != "frontend" || workloads[0].Workload["serviceAccount"] != "frontend" ||
 		workloads[0].Version == "" {
 		t.Errorf("workloads decoded: %+v", workloads)
+	}
+	// The datapath is off here: the rows say what would be steered, and
+	// that nothing is applied.
+	if out := show("redirects", "--pod=shop/frontend"); !strings.Contains(out, "enrolled") || !strings.Contains(out, "redirection disabled") {
+		t.Errorf("redirects with the datapath disabled:\n%s", out)
 	}
 	if out := show(); !strings.Contains(out, "enrollments") || !strings.Contains(out, "workloads") {
 		t.Errorf("db show lists no tables:\n%s", out)
