@@ -117,7 +117,9 @@ func TestKubernetesSource(t *testing.T) {
 			e.SpiffeID == "spiffe://cluster.local/ns/app/sa/default"
 	})
 
-	// Step 3: labelling the namespace enrolls api; relabelling web opts it out.
+	// Step 3: labelling the namespace enrolls api; relabelling web to opt
+	// out does not cancel the policy that requires authentication: the row
+	// notes the ignored label.
 	ns, err := kube.CoreV1().Namespaces().Get(ctx, "app", metav1.GetOptions{})
 	must(t, err)
 	ns.Labels = map[string]string{"io.cilium/mtls-enabled": "true"}
@@ -128,9 +130,10 @@ func TestKubernetesSource(t *testing.T) {
 	web.Labels["cilium.io/redir-type"] = "none"
 	_, err = kube.CoreV1().Pods("app").Update(ctx, web, metav1.UpdateOptions{})
 	must(t, err)
-	wait("api by namespace label, web opted out", func(txn statedb.ReadTxn) bool {
+	wait("api by namespace label, web's opt-out ignored", func(txn statedb.ReadTxn) bool {
+		e, _, _ := enrollments.Get(txn, enrollment.ByKey("app/web"))
 		return reason(txn, "app/api") == enrollment.ReasonNamespaceLabel &&
-			reason(txn, "app/web") == enrollment.ReasonOptOut
+			e != nil && e.Reason == "policy:cnp/app/web-mtls" && e.IgnoredOptOut
 	})
 
 	// Step 4: a CCNP scoped to the namespace takes over api; a policy that

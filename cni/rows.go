@@ -36,10 +36,21 @@ type storeParams struct {
 func registerStore(p storeParams) error {
 	wtxn := p.DB.WriteTxn(p.Pods, p.CNIPods)
 	initDone := p.CNIPods.RegisterInitializer(wtxn, "cni-store")
-	changes, err := p.Pods.Changes(wtxn)
+	// A pod deleted from the API dirties the containers of its rows (a
+	// namesake created since keeps its own).
+	deletedPods, err := reconcilers.Follow(wtxn, p.Pods, func(txn statedb.ReadTxn, c statedb.Change[*tables.Pod], dirty map[string]struct{}) {
+		if !c.Deleted {
+			return
+		}
+		for row := range p.CNIPods.List(txn, tables.CNIPodsByPod(c.Object.Key())) {
+			if row.UID == "" || row.UID == c.Object.UID {
+				dirty[row.ContainerID] = struct{}{}
+			}
+		}
+	})
 	wtxn.Commit()
 	if err != nil {
-		return fmt.Errorf("follow %s: %w", p.Pods.Name(), err)
+		return err
 	}
 
 	p.Lifecycle.Append(cell.Hook{OnStart: func(cell.HookContext) error {
@@ -88,23 +99,19 @@ func registerStore(p storeParams) error {
 		wtxn.Commit()
 
 		return reconcilers.RunDerivation(ctx, health, func() []<-chan struct{} {
-			wtxn := p.DB.WriteTxn(p.CNIPods)
-			seq, watch := changes.Next(wtxn)
-			var gone []*tables.CNIPod
-			for c := range seq {
-				if !c.Deleted {
-					continue
-				}
-				for row := range p.CNIPods.List(wtxn, tables.CNIPodsByPod(c.Object.Key())) {
-					// A namesake created since keeps its own rows.
-					if row.UID == "" || row.UID == c.Object.UID {
+			dirty, watches := reconcilers.Collect(p.DB.ReadTxn(), deletedPods)
+			if len(dirty) > 0 {
+				wtxn := p.DB.WriteTxn(p.CNIPods)
+				var gone []*tables.CNIPod
+				for id := range dirty {
+					if row, _, ok := p.CNIPods.Get(wtxn, tables.CNIPodByContainer(id)); ok {
 						gone = append(gone, row)
 					}
 				}
+				p.delete(wtxn, gone)
+				wtxn.Commit()
 			}
-			p.delete(wtxn, gone)
-			wtxn.Commit()
-			return []<-chan struct{}{watch}
+			return watches
 		}, func() string { return fmt.Sprintf("%d containers", p.CNIPods.NumObjects(p.DB.ReadTxn())) })
 	}))
 	return nil

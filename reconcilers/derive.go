@@ -5,6 +5,7 @@ package reconcilers
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
@@ -46,4 +47,53 @@ func WaitInitialized(ctx context.Context, health cell.Health, db *statedb.DB, ta
 		}
 	}
 	return true
+}
+
+// Input follows the changes of one table of a derivation and turns each
+// change into the keys it makes dirty: the incremental derivations
+// (enrollments, workloads, cni-pods' sweeping) recompute only those.
+type Input[K comparable] struct {
+	next func(txn statedb.ReadTxn, dirty map[K]struct{}) <-chan struct{}
+	meta statedb.TableMeta
+}
+
+// Follow starts following tbl from now (its current rows come first, as
+// changes). touches adds the keys a change makes dirty.
+func Follow[T any, K comparable](txn statedb.WriteTxn, tbl statedb.Table[T],
+	touches func(txn statedb.ReadTxn, c statedb.Change[T], dirty map[K]struct{})) (Input[K], error) {
+	it, err := tbl.Changes(txn)
+	if err != nil {
+		return Input[K]{}, fmt.Errorf("follow %s: %w", tbl.Name(), err)
+	}
+	return Input[K]{meta: tbl, next: func(txn statedb.ReadTxn, dirty map[K]struct{}) <-chan struct{} {
+		changes, watch := it.Next(txn)
+		for c := range changes {
+			touches(txn, c, dirty)
+		}
+		return watch
+	}}, nil
+}
+
+// Collect drains the unread changes of every input, as txn sees them, into
+// one set of dirty keys, and returns the channels that close when there is
+// more.
+func Collect[K comparable](txn statedb.ReadTxn, inputs ...Input[K]) (map[K]struct{}, []<-chan struct{}) {
+	dirty := map[K]struct{}{}
+	watches := make([]<-chan struct{}, 0, len(inputs))
+	for _, in := range inputs {
+		watches = append(watches, in.next(txn, dirty))
+	}
+	return dirty, watches
+}
+
+// Uninitialized returns the watch channels of the inputs' tables that are
+// not initialized yet (none once all are).
+func Uninitialized[K comparable](txn statedb.ReadTxn, inputs ...Input[K]) []<-chan struct{} {
+	var watches []<-chan struct{}
+	for _, in := range inputs {
+		if ok, w := in.meta.Initialized(txn); !ok {
+			watches = append(watches, w)
+		}
+	}
+	return watches
 }

@@ -38,79 +38,58 @@ type derivationParams struct {
 type derivation struct {
 	derivationParams
 
-	pods, namespaces, policies, endpoints, cniPods interface {
-		// next drains the unread changes into the dirty set.
-		next(d *derivation, txn statedb.ReadTxn, dirty map[string]struct{}) <-chan struct{}
-	}
+	inputs   []reconcilers.Input[string]
 	initDone func(statedb.WriteTxn)
-}
-
-// changes wraps a change iterator with what a change of its table makes dirty.
-type changes[T any] struct {
-	iter    statedb.ChangeIterator[T]
-	touches func(d *derivation, txn statedb.ReadTxn, c statedb.Change[T], dirty map[string]struct{})
-}
-
-func (c changes[T]) next(d *derivation, txn statedb.ReadTxn, dirty map[string]struct{}) <-chan struct{} {
-	seq, watch := c.iter.Next(txn)
-	for change := range seq {
-		c.touches(d, txn, change, dirty)
-	}
-	return watch
 }
 
 func newDerivation(p derivationParams) (*derivation, error) {
 	d := &derivation{derivationParams: p}
 	wtxn := p.DB.WriteTxn(p.Pods, p.Namespaces, p.Policies, p.Endpoints, p.CNIPods, p.Enrollments)
 	defer wtxn.Abort()
-	var err error
-	if d.pods, err = newChanges(wtxn, p.Pods, podTouches); err != nil {
+	pods, err := reconcilers.Follow(wtxn, p.Pods, podTouches)
+	if err != nil {
 		return nil, err
 	}
-	if d.namespaces, err = newChanges(wtxn, p.Namespaces, namespaceTouches); err != nil {
+	namespaces, err := reconcilers.Follow(wtxn, p.Namespaces, d.namespaceTouches)
+	if err != nil {
 		return nil, err
 	}
-	if d.policies, err = newChanges(wtxn, p.Policies, policyTouches); err != nil {
+	policies, err := reconcilers.Follow(wtxn, p.Policies, d.policyTouches)
+	if err != nil {
 		return nil, err
 	}
-	if d.endpoints, err = newChanges(wtxn, p.Endpoints, endpointTouches); err != nil {
+	endpoints, err := reconcilers.Follow(wtxn, p.Endpoints, endpointTouches)
+	if err != nil {
 		return nil, err
 	}
-	if d.cniPods, err = newChanges(wtxn, p.CNIPods, cniPodTouches); err != nil {
+	cniPods, err := reconcilers.Follow(wtxn, p.CNIPods, cniPodTouches)
+	if err != nil {
 		return nil, err
 	}
+	d.inputs = []reconcilers.Input[string]{pods, namespaces, policies, endpoints, cniPods}
 	d.initDone = p.Enrollments.RegisterInitializer(wtxn, "enrollment")
 	wtxn.Commit()
 	return d, nil
 }
 
-func newChanges[T any](txn statedb.WriteTxn, tbl statedb.Table[T],
-	touches func(*derivation, statedb.ReadTxn, statedb.Change[T], map[string]struct{})) (changes[T], error) {
-	it, err := tbl.Changes(txn)
-	if err != nil {
-		return changes[T]{}, fmt.Errorf("follow %s: %w", tbl.Name(), err)
-	}
-	return changes[T]{iter: it, touches: touches}, nil
-}
-
 // A pod change affects that pod.
-func podTouches(_ *derivation, _ statedb.ReadTxn, c statedb.Change[*tables.Pod], dirty map[string]struct{}) {
+func podTouches(_ statedb.ReadTxn, c statedb.Change[*tables.Pod], dirty map[string]struct{}) {
 	dirty[c.Object.Key()] = struct{}{}
 }
 
 // An endpoint change affects the pod of the same name (its Cilium identity).
-func endpointTouches(_ *derivation, _ statedb.ReadTxn, c statedb.Change[*tables.Endpoint], dirty map[string]struct{}) {
+func endpointTouches(_ statedb.ReadTxn, c statedb.Change[*tables.Endpoint], dirty map[string]struct{}) {
 	dirty[c.Object.Key()] = struct{}{}
 }
 
 // A CNI report affects its pod: it may bring the pod's first addresses.
-func cniPodTouches(_ *derivation, _ statedb.ReadTxn, c statedb.Change[*tables.CNIPod], dirty map[string]struct{}) {
+func cniPodTouches(_ statedb.ReadTxn, c statedb.Change[*tables.CNIPod], dirty map[string]struct{}) {
 	dirty[c.Object.Pod] = struct{}{}
 }
 
 // A namespace change affects every pod in it (namespace label, namespace
 // labels in selectors).
-func namespaceTouches(d *derivation, txn statedb.ReadTxn, c statedb.Change[*tables.Namespace], dirty map[string]struct{}) {
+func (d *derivation) namespaceTouches(txn statedb.ReadTxn, c statedb.Change[*tables.Namespace], dirty map[string]struct{}) {
 	for pod := range d.Pods.List(txn, tables.PodsByNamespace(c.Object.Name)) {
 		dirty[pod.Key()] = struct{}{}
 	}
@@ -119,7 +98,7 @@ func namespaceTouches(d *derivation, txn statedb.ReadTxn, c statedb.Change[*tabl
 // A policy change affects the pods it enrolled before (found through the
 // enrollments it is named in) and the pods it selects now. A pod it selected
 // before but did not enroll was enrolled by a rule that still holds.
-func policyTouches(d *derivation, txn statedb.ReadTxn, c statedb.Change[*tables.Policy], dirty map[string]struct{}) {
+func (d *derivation) policyTouches(txn statedb.ReadTxn, c statedb.Change[*tables.Policy], dirty map[string]struct{}) {
 	p := c.Object
 	for e := range d.Enrollments.List(txn, ByPolicy(p.Key())) {
 		dirty[e.Key()] = struct{}{}
@@ -169,14 +148,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 // that close when there is more to do.
 func (d *derivation) step() []<-chan struct{} {
 	txn := d.DB.ReadTxn()
-	dirty := map[string]struct{}{}
-	watches := []<-chan struct{}{
-		d.pods.next(d, txn, dirty),
-		d.namespaces.next(d, txn, dirty),
-		d.policies.next(d, txn, dirty),
-		d.endpoints.next(d, txn, dirty),
-		d.cniPods.next(d, txn, dirty),
-	}
+	dirty, watches := reconcilers.Collect(txn, d.inputs...)
 	if len(dirty) > 0 {
 		d.update(dirty)
 	}
@@ -184,18 +156,13 @@ func (d *derivation) step() []<-chan struct{} {
 		return watches
 	}
 	// The table is initialized once every input is and its rows are derived.
-	initialized := true
-	for _, t := range []statedb.TableMeta{d.Pods, d.Namespaces, d.Policies, d.Endpoints, d.CNIPods} {
-		if ok, w := t.Initialized(txn); !ok {
-			watches, initialized = append(watches, w), false
-		}
+	if waiting := reconcilers.Uninitialized(txn, d.inputs...); len(waiting) > 0 {
+		return append(watches, waiting...)
 	}
-	if initialized {
-		wtxn := d.DB.WriteTxn(d.Enrollments)
-		d.initDone(wtxn)
-		wtxn.Commit()
-		d.initDone = nil
-	}
+	wtxn := d.DB.WriteTxn(d.Enrollments)
+	d.initDone(wtxn)
+	wtxn.Commit()
+	d.initDone = nil
 	return watches
 }
 

@@ -43,30 +43,40 @@ type derivationParams struct {
 // enrollments (who is in), pods and CNI reports (addresses) and readiness.
 type derivation struct {
 	derivationParams
-	pods        statedb.ChangeIterator[*tables.Pod]
-	cniPods     statedb.ChangeIterator[*tables.CNIPod]
-	enrollments statedb.ChangeIterator[*enrollment.Enrollment]
-	ready       statedb.ChangeIterator[*readiness.ReadyAnnotation]
-	initDone    func(statedb.WriteTxn)
+	inputs   []reconcilers.Input[string]
+	initDone func(statedb.WriteTxn)
 }
 
 func newDerivation(p derivationParams) (*derivation, error) {
 	d := &derivation{derivationParams: p}
 	wtxn := p.DB.WriteTxn(p.Pods, p.CNIPods, p.Enrollments, p.Ready, p.Workloads)
 	defer wtxn.Abort()
-	var err error
-	if d.pods, err = p.Pods.Changes(wtxn); err != nil {
+	// Each change dirties its pod ("namespace/name").
+	pods, err := reconcilers.Follow(wtxn, p.Pods, func(_ statedb.ReadTxn, c statedb.Change[*tables.Pod], dirty map[string]struct{}) {
+		dirty[c.Object.Key()] = struct{}{}
+	})
+	if err != nil {
 		return nil, err
 	}
-	if d.cniPods, err = p.CNIPods.Changes(wtxn); err != nil {
+	cniPods, err := reconcilers.Follow(wtxn, p.CNIPods, func(_ statedb.ReadTxn, c statedb.Change[*tables.CNIPod], dirty map[string]struct{}) {
+		dirty[c.Object.Pod] = struct{}{}
+	})
+	if err != nil {
 		return nil, err
 	}
-	if d.enrollments, err = p.Enrollments.Changes(wtxn); err != nil {
+	enrollments, err := reconcilers.Follow(wtxn, p.Enrollments, func(_ statedb.ReadTxn, c statedb.Change[*enrollment.Enrollment], dirty map[string]struct{}) {
+		dirty[c.Object.Key()] = struct{}{}
+	})
+	if err != nil {
 		return nil, err
 	}
-	if d.ready, err = p.Ready.Changes(wtxn); err != nil {
+	ready, err := reconcilers.Follow(wtxn, p.Ready, func(_ statedb.ReadTxn, c statedb.Change[*readiness.ReadyAnnotation], dirty map[string]struct{}) {
+		dirty[c.Object.Pod] = struct{}{}
+	})
+	if err != nil {
 		return nil, err
 	}
+	d.inputs = []reconcilers.Input[string]{pods, cniPods, enrollments, ready}
 	d.initDone = p.Workloads.RegisterInitializer(wtxn, "workload")
 	wtxn.Commit()
 	return d, nil
@@ -81,37 +91,21 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 // step processes every committed change and returns what to wait on.
 func (d *derivation) step() []<-chan struct{} {
 	txn := d.DB.ReadTxn()
-	dirty := map[string]struct{}{}
-	podChanges, podWatch := d.pods.Next(txn)
-	for c := range podChanges {
-		dirty[c.Object.Key()] = struct{}{}
-	}
-	cniChanges, cniWatch := d.cniPods.Next(txn)
-	for c := range cniChanges {
-		dirty[c.Object.Pod] = struct{}{}
-	}
-	enrollChanges, enrollWatch := d.enrollments.Next(txn)
-	for c := range enrollChanges {
-		dirty[c.Object.Key()] = struct{}{}
-	}
-	readyChanges, readyWatch := d.ready.Next(txn)
-	for c := range readyChanges {
-		dirty[c.Object.Pod] = struct{}{}
-	}
+	dirty, watches := reconcilers.Collect(txn, d.inputs...)
 	if len(dirty) > 0 {
 		d.update(dirty)
 	}
-	watches := []<-chan struct{}{podWatch, cniWatch, enrollWatch, readyWatch}
-	if d.initDone != nil {
-		if ok, w := d.Enrollments.Initialized(txn); ok {
-			wtxn := d.DB.WriteTxn(d.Workloads)
-			d.initDone(wtxn)
-			wtxn.Commit()
-			d.initDone = nil
-		} else {
-			watches = append(watches, w)
-		}
+	if d.initDone == nil {
+		return watches
 	}
+	// Initialized once enrollments (and so pods) are, and derived.
+	if waiting := reconcilers.Uninitialized(txn, d.inputs...); len(waiting) > 0 {
+		return append(watches, waiting...)
+	}
+	wtxn := d.DB.WriteTxn(d.Workloads)
+	d.initDone(wtxn)
+	wtxn.Commit()
+	d.initDone = nil
 	return watches
 }
 
