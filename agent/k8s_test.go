@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"strings"
 	"testing"
@@ -26,8 +27,8 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/agent"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
-	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+	"github.com/mtlsbridge/mtlsbridge/internal/syncbuf"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -50,9 +51,9 @@ func TestKubernetesSource(t *testing.T) {
 
 	// Objects that exist before the agent starts arrive with the first listing.
 	createNamespace(t, kube, "app", nil)
-	createPod(t, kube, "app", "web", "node-a", map[string]string{"app": "web"}, "10.0.1.1")
-	createPod(t, kube, "app", "api", "node-b", map[string]string{"app": "api"}, "10.0.2.1")
-	createPod(t, kube, "app", "ztunnel", "node-a", map[string]string{"cilium.io/redir-type": "proxy"}, "10.0.1.2")
+	kubetest.CreatePod(t, kube, "app", "web", "node-a", map[string]string{"app": "web"}, netip.MustParseAddr("10.0.1.1"))
+	kubetest.CreatePod(t, kube, "app", "api", "node-b", map[string]string{"app": "api"}, netip.MustParseAddr("10.0.2.1"))
+	kubetest.CreatePod(t, kube, "app", "ztunnel", "node-a", map[string]string{"cilium.io/redir-type": "proxy"}, netip.MustParseAddr("10.0.1.2"))
 
 	a := startAgent(t, cfg)
 	db, enrollments, policies := a.db, a.enrollments, a.policies
@@ -219,12 +220,6 @@ func createNamespace(t *testing.T, kube kubernetes.Interface, name string, label
 }
 
 // createPod creates a running pod bound to a node.
-func createPod(t *testing.T, kube kubernetes.Interface, ns, name, node string, labels map[string]string, ip string) {
-	kubetest.CreateRunningPod(t, kube, &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: labels},
-		Spec:       corev1.PodSpec{NodeName: node},
-	}, ip)
-}
 
 func createObject(t *testing.T, dyn dynamic.Interface, gvr schema.GroupVersionResource, ns string, obj map[string]any) {
 	var err error
@@ -272,7 +267,7 @@ func TestWatchesResumeAfterAPIServerRestart(t *testing.T) {
 	kubetest.ApplyCiliumCRDs(t, srv.Config)
 	kube := kubernetes.NewForConfigOrDie(srv.Config)
 	createNamespace(t, kube, "app", map[string]string{"io.cilium/mtls-enabled": "true"})
-	logs := &agenttest.Buffer{}
+	logs := &syncbuf.Buffer{}
 	a := startAgentLogging(t, srv.Config, slog.New(slog.NewTextHandler(logs, nil)))
 	waitPod := func(key string, within time.Duration) {
 		t.Helper()

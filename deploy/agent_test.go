@@ -13,7 +13,6 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
-	"io"
 	"net"
 	"net/url"
 	"os"
@@ -196,47 +195,15 @@ func newCluster(t *testing.T) *cluster {
 		Spec:       corev1.PodSpec{NodeName: "node-a"},
 	}, ips(web)...)
 
-	c.apiAddr = forwardIntoNode(t, nodeA, strings.TrimPrefix(c.srv.Config.Host, "https://"))
+	// The agent runs in the node's namespace, as the sidecar runs in the
+	// node's (hostNetwork), and reaches the API server there.
+	c.apiAddr = nodeA.Relay(t, "127.0.0.1:0", strings.TrimPrefix(c.srv.Config.Host, "https://"))
 	c.token = tokenConfig(t, c.srv.Config, c.admin, cilium)
 	c.kubecfg = sidecarKubeconfig(t, c.token, "https://"+c.apiAddr)
 	c.bin = buildAgent(t)
 	c.secret = createCASecret(t, "cluster.local")
 	c.caDir = writeSecretDir(t, c.secret)
 	return c
-}
-
-// forwardIntoNode listens on 127.0.0.1 inside the node's namespace and
-// forwards each connection to target, the API server on the test's
-// loopback: the agent runs in the node's namespace, as the sidecar runs in
-// the node's (hostNetwork), and reaches the API server there.
-func forwardIntoNode(t *testing.T, node *netnstest.Node, target string) string {
-	t.Helper()
-	var l net.Listener
-	must(t, node.Do(func() error {
-		var err error
-		l, err = net.Listen("tcp", "127.0.0.1:0")
-		return err
-	}))
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			in, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer in.Close()
-				out, err := net.DialTimeout("tcp", target, 5*time.Second)
-				if err != nil {
-					return
-				}
-				defer out.Close()
-				go io.Copy(out, in)
-				io.Copy(in, out)
-			}()
-		}
-	}()
-	return l.Addr().String()
 }
 
 // sidecarKubeconfig writes the credentials the sidecar has in a cluster:

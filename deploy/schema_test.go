@@ -26,7 +26,7 @@ import (
 
 // authModeAnnotation is the policy annotation that carries the
 // authentication requirement where Cilium's schema no longer has the field
-// (design.md, enrollment rule 2).
+// (README "Enrollment rules", rule 2).
 const authModeAnnotation = "mtlsbridge.io/authentication-mode"
 
 // TestCNPSchemaWithoutAuthentication runs on Cilium's CRDs with the

@@ -4,11 +4,8 @@ package e2e_test
 
 import (
 	"context"
-	"io"
-	"net"
 	"net/url"
 	"testing"
-	"time"
 
 	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -60,7 +57,7 @@ func newKubeCluster(t testing.TB) *kubeCluster {
 func (c *kubeCluster) init(b *bed) {
 	ctx := context.Background()
 	for _, n := range b.nodes {
-		relayInto(c.t, n.ns.NS, c.host)
+		n.ns.Relay(c.t, c.host, c.host)
 		node, err := c.kube.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.name}}, metav1.CreateOptions{})
 		must(c.t, err)
 		node.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: n.ns.Addr4.String()}}
@@ -144,33 +141,4 @@ func (c *kubeCluster) token(p *bedPod) string {
 	}, metav1.CreateOptions{})
 	must(c.t, err)
 	return tr.Status.Token
-}
-
-// relayInto listens on addr inside the namespace and carries each
-// connection to addr in the root namespace (both loopback).
-func relayInto(t testing.TB, ns *netnstest.NS, addr string) {
-	var l net.Listener
-	must(t, ns.Do(func() (err error) {
-		l, err = net.Listen("tcp", addr)
-		return err
-	}))
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			in, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer in.Close()
-				out, err := net.DialTimeout("tcp", addr, 5*time.Second)
-				if err != nil {
-					return
-				}
-				defer out.Close()
-				go func() { io.Copy(out, in); out.(*net.TCPConn).CloseWrite() }()
-				io.Copy(in, out)
-			}()
-		}
-	}()
 }

@@ -19,7 +19,6 @@ import (
 	"net/netip"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -29,6 +28,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
+	"github.com/mtlsbridge/mtlsbridge/internal/syncbuf"
 )
 
 // Two proxies in one process, on loopback addresses standing for pods:
@@ -54,8 +54,8 @@ type hbonePair struct {
 	app netip.AddrPort
 	// appSaw receives the remote address of each connection app accepts.
 	appSaw chan netip.AddrPort
-	bLog   *syncBuffer
-	aLog   *syncBuffer
+	bLog   *syncbuf.Buffer
+	aLog   *syncbuf.Buffer
 }
 
 func newHBONEPair(t *testing.T) *hbonePair {
@@ -64,7 +64,7 @@ func newHBONEPair(t *testing.T) *hbonePair {
 	netnstest.RequirePrivileged(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	h := &hbonePair{t: t, ca: newAuthority(t), appSaw: make(chan netip.AddrPort, 16), aLog: &syncBuffer{}, bLog: &syncBuffer{}}
+	h := &hbonePair{t: t, ca: newAuthority(t), appSaw: make(chan netip.AddrPort, 16), aLog: &syncbuf.Buffer{}, bLog: &syncbuf.Buffer{}}
 	h.web = &Workload{UID: "web", Name: "web", Namespace: "app", Node: "node-a", Identity: hbWebID,
 		Addresses: []netip.Addr{netip.MustParseAddr(hbWebIP)}, HBONE: true}
 	h.api = &Workload{UID: "api", Name: "api", Namespace: "app", Node: "node-b", Identity: hbAPIID,
@@ -104,7 +104,7 @@ func newHBONEPair(t *testing.T) *hbonePair {
 	return h
 }
 
-func (h *hbonePair) newProxy(node string, log *syncBuffer) *Proxy {
+func (h *hbonePair) newProxy(node string, log *syncbuf.Buffer) *Proxy {
 	p := New(Config{NodeName: node, TrustDomain: "cluster.local", IdleTimeout: time.Minute},
 		slog.New(slog.NewTextHandler(log, nil)))
 	web, api := *h.web, *h.api
@@ -363,24 +363,6 @@ func (h *hbonePair) request(t testing.TB, src, method, authority string) *http.R
 	resp, err := cc.RoundTrip(req.WithContext(ctx))
 	must(t, err)
 	return resp
-}
-
-// syncBuffer is a log sink safe for concurrent use.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // eventually polls cond (bounded: 10 s).

@@ -86,6 +86,55 @@ func Collect[K comparable](txn statedb.ReadTxn, inputs ...Input[K]) (map[K]struc
 	return dirty, watches
 }
 
+// Incremental keeps an output table derived from its inputs: each step
+// recomputes only the keys the inputs' changes made dirty, and the output
+// counts as initialized once every input is and its rows are derived.
+type Incremental[K comparable] struct {
+	db       *statedb.DB
+	output   statedb.TableMeta
+	initDone func(statedb.WriteTxn)
+	inputs   []Input[K]
+	update   func(dirty map[K]struct{})
+}
+
+// NewIncremental returns the derivation of output from inputs. initDone is
+// output's initializer, registered in the transaction that started
+// following the inputs; update recomputes a set of dirty keys.
+func NewIncremental[K comparable](db *statedb.DB, output statedb.TableMeta, initDone func(statedb.WriteTxn),
+	update func(dirty map[K]struct{}), inputs ...Input[K]) *Incremental[K] {
+	return &Incremental[K]{db: db, output: output, initDone: initDone, inputs: inputs, update: update}
+}
+
+// Run derives until ctx ends; status describes the output for the job's
+// health.
+func (d *Incremental[K]) Run(ctx context.Context, health cell.Health, status func() string) error {
+	return RunDerivation(ctx, health, d.Step, status)
+}
+
+// Initialized reports whether the output has been marked initialized.
+func (d *Incremental[K]) Initialized() bool { return d.initDone == nil }
+
+// Step processes every change committed so far and returns the channels
+// that close when there is more to do.
+func (d *Incremental[K]) Step() []<-chan struct{} {
+	txn := d.db.ReadTxn()
+	dirty, watches := Collect(txn, d.inputs...)
+	if len(dirty) > 0 {
+		d.update(dirty)
+	}
+	if d.initDone == nil {
+		return watches
+	}
+	if waiting := Uninitialized(txn, d.inputs...); len(waiting) > 0 {
+		return append(watches, waiting...)
+	}
+	wtxn := d.db.WriteTxn(d.output)
+	d.initDone(wtxn)
+	wtxn.Commit()
+	d.initDone = nil
+	return watches
+}
+
 // Uninitialized returns the watch channels of the inputs' tables that are
 // not initialized yet (none once all are).
 func Uninitialized[K comparable](txn statedb.ReadTxn, inputs ...Input[K]) []<-chan struct{} {

@@ -3,7 +3,6 @@
 package statedir
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -12,10 +11,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/syncbuf"
 )
 
 func TestPrepare(t *testing.T) {
@@ -96,7 +96,7 @@ func TestLockStateDir(t *testing.T) {
 	first, err := LockStateDir(context.Background(), dir, slog.New(slog.DiscardHandler))
 	must(t, err)
 
-	var logs syncBuffer
+	var logs syncbuf.Buffer
 	log := slog.New(slog.NewTextHandler(&logs, nil))
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
@@ -167,23 +167,6 @@ func shortDir(t *testing.T) string {
 	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	return dir
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }
 
 func must(t *testing.T, err error) {

@@ -34,6 +34,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 	"github.com/mtlsbridge/mtlsbridge/internal/cnitest"
+	"github.com/mtlsbridge/mtlsbridge/internal/syncbuf"
 )
 
 // TestUnauthenticatedFloodIsNotRead reproduces the memory
@@ -50,7 +51,7 @@ func TestUnauthenticatedFloodIsNotRead(t *testing.T) {
 	t.Cleanup(func() { os.Remove(stateDir + "-tokens") })
 	addr := freeAddr(t)
 
-	logs := &agenttest.Buffer{}
+	logs := &syncbuf.Buffer{}
 	agent := exec.Command(bin, "agent", "--source=dir:../../testdata/demo", "--state-dir="+stateDir,
 		"--node-name=node-a", "--enable-redirect=false", "--grpc-listen="+addr, "--token-file="+stateDir+"-tokens")
 	agent.Stdout, agent.Stderr = logs, logs

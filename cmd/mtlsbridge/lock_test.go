@@ -14,8 +14,8 @@ import (
 	"time"
 
 	"github.com/mtlsbridge/mtlsbridge/api/client"
-	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
 	"github.com/mtlsbridge/mtlsbridge/internal/cnitest"
+	"github.com/mtlsbridge/mtlsbridge/internal/syncbuf"
 )
 
 // TestSecondAgentWaitsForTheFirst: a second agent on the same state folder
@@ -27,8 +27,8 @@ func TestSecondAgentWaitsForTheFirst(t *testing.T) {
 	stateDir, err := os.MkdirTemp("", "mtlsb-lock-")
 	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(stateDir) })
-	start := func(name string) (*exec.Cmd, *agenttest.Buffer) {
-		logs := &agenttest.Buffer{}
+	start := func(name string) (*exec.Cmd, *syncbuf.Buffer) {
+		logs := &syncbuf.Buffer{}
 		cmd := exec.Command(bin, "agent", "--source=dir:../../testdata/demo", "--state-dir="+stateDir,
 			"--node-name=node-a", "--enable-redirect=false", "--grpc-listen=127.0.0.1:0")
 		cmd.Stdout, cmd.Stderr = logs, logs

@@ -15,6 +15,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/agenttest"
+	"github.com/mtlsbridge/mtlsbridge/internal/syncbuf"
 )
 
 // Flags that make no sense stop the agent with a message naming the flag.
@@ -241,7 +242,7 @@ func TestDBShowViews(t *testing.T) {
 	// -w: the rows that change, as they change.
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	out := &agenttest.Buffer{}
+	out := &syncbuf.Buffer{}
 	done := make(chan error, 1)
 	go func() { done <- run(ctx, out, "db", "show", "enrollments", "-w", "--namespace=shop") }()
 	for !strings.Contains(out.String(), "shop/frontend") {

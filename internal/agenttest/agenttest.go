@@ -5,14 +5,12 @@
 package agenttest
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"log/slog"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
@@ -28,6 +26,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
+	"github.com/mtlsbridge/mtlsbridge/internal/syncbuf"
 )
 
 // Agent is a running agent on node-a.
@@ -38,7 +37,7 @@ type Agent struct {
 	Manifests string
 	GRPCAddr  string
 	// Logs holds everything the agent logged.
-	Logs *Buffer
+	Logs *syncbuf.Buffer
 }
 
 // Tokens of the token file: this node's agent, the other node's agent and
@@ -65,7 +64,7 @@ func Start(t testing.TB, manifests string, extra []cell.Cell, flags ...string) *
 		t.Fatal(err)
 	}
 
-	a := &Agent{StateDir: stateDir, Manifests: manifests, Logs: &Buffer{}}
+	a := &Agent{StateDir: stateDir, Manifests: manifests, Logs: &syncbuf.Buffer{}}
 	var server *grpcserver.Server
 	cells := append([]cell.Cell{agent.Infrastructure, agent.Cell,
 		cell.Invoke(func(db *statedb.DB, s *grpcserver.Server, reg *prometheus.Registry) {
@@ -150,22 +149,4 @@ func (a *Agent) WriteManifest(t testing.TB, name, content string) {
 	if err := manifesttest.Write(a.Manifests, name, []byte(content)); err != nil {
 		t.Fatal(err)
 	}
-}
-
-// Buffer is a goroutine-safe log buffer.
-type Buffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *Buffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *Buffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

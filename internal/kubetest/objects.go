@@ -3,6 +3,7 @@
 package kubetest
 
 import (
+	"net/netip"
 	"path/filepath"
 	"testing"
 
@@ -54,4 +55,18 @@ func CreateRunningPod(t testing.TB, kube kubernetes.Interface, pod *corev1.Pod, 
 		t.Fatalf("kubetest: status of pod %s/%s: %v", pod.Namespace, pod.Name, err)
 	}
 	return updated
+}
+
+// CreatePod is CreateRunningPod for the common case: pod ns/name on node,
+// with labels and addresses ips.
+func CreatePod(t testing.TB, kube kubernetes.Interface, ns, name, node string, labels map[string]string, ips ...netip.Addr) *corev1.Pod {
+	t.Helper()
+	addrs := make([]string, len(ips))
+	for i, ip := range ips {
+		addrs[i] = ip.String()
+	}
+	return CreateRunningPod(t, kube, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: labels},
+		Spec:       corev1.PodSpec{NodeName: node},
+	}, addrs...)
 }

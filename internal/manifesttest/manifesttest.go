@@ -5,12 +5,19 @@
 package manifesttest
 
 import (
+	"context"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
+	"testing"
+	"time"
 
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/script"
+	"github.com/spf13/pflag"
 )
 
 // Write replaces the file name in dir with content atomically.
@@ -65,4 +72,30 @@ func ScriptCommands(dir string) map[string]script.Cmd {
 				return nil, nil
 			}),
 	}
+}
+
+// NewEngine is the script engine of a hive that reads the manifest folder
+// dir: it parses args as h's flags (after --source=dir:DIR), offers the
+// hive's commands, the default ones, the manifest ones and extra, and stops
+// h when the test ends. Scripts start the hive themselves (hive start).
+func NewEngine(t testing.TB, h *hive.Hive, dir string, args []string, extra map[string]script.Cmd) *script.Engine {
+	log := hivetest.Logger(t)
+	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	if err := flags.Parse(append([]string{"--source=dir:" + dir}, args...)); err != nil {
+		t.Fatalf("flags %v: %s", args, err)
+	}
+	cmds, err := h.ScriptCommands(log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	maps.Insert(cmds, maps.All(script.DefaultCmds()))
+	maps.Insert(cmds, maps.All(ScriptCommands(dir)))
+	maps.Insert(cmds, maps.All(extra))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		h.Stop(log, ctx)
+	})
+	return &script.Engine{Cmds: cmds}
 }

@@ -150,3 +150,36 @@ func setTransparent(c syscall.RawConn, ipv6 bool) error {
 	})
 	return errors.Join(err, serr)
 }
+
+// Relay listens on listen (a loopback address) inside ns and carries each
+// connection to target on the test's own loopback: how a process in a
+// test namespace reaches a server the test runs (a kube-apiserver). It
+// returns the address it listens on.
+func (ns *NS) Relay(t testing.TB, listen, target string) string {
+	t.Helper()
+	var l net.Listener
+	must(t, ns.Do(func() (err error) {
+		l, err = net.Listen("tcp", listen)
+		return err
+	}))
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			in, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer in.Close()
+				out, err := net.DialTimeout("tcp", target, DialTimeout)
+				if err != nil {
+					return
+				}
+				defer out.Close()
+				go func() { io.Copy(out, in); out.(*net.TCPConn).CloseWrite() }()
+				io.Copy(in, out)
+			}()
+		}
+	}()
+	return l.Addr().String()
+}

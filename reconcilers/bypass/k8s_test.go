@@ -3,7 +3,6 @@
 package bypass_test
 
 import (
-	"net/netip"
 	"slices"
 	"testing"
 	"time"
@@ -35,7 +34,7 @@ func TestReadyTaint(t *testing.T) {
 	must(t, err)
 	_, err = kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "app"}}, metav1.CreateOptions{})
 	must(t, err)
-	createPod(t, kube, "a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeWorkload}, nd.a.IP4, nd.a.IP6)
+	kubetest.CreatePod(t, kube, "app", "a", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeWorkload}, nd.a.IP4, nd.a.IP6)
 
 	ag := nd.startAgent(t, "--source=k8s", "--kubeconfig="+kubetest.WriteKubeconfig(t, cfg), "--ready-taint="+taintKey+":NoSchedule")
 	tainted := func() bool {
@@ -52,7 +51,7 @@ func TestReadyTaint(t *testing.T) {
 	}
 
 	// Step 2: the mTLS agent pod comes; once a is redirected the taint goes.
-	createPod(t, kube, "ztunnel", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, nd.agent.IP4, nd.agent.IP6)
+	kubetest.CreatePod(t, kube, "app", "ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, nd.agent.IP4, nd.agent.IP6)
 	deadline := time.Now().Add(waitTimeout)
 	for tainted() {
 		if time.Now().After(deadline) {
@@ -64,14 +63,3 @@ func TestReadyTaint(t *testing.T) {
 }
 
 // createPod creates a running pod in namespace app.
-func createPod(t *testing.T, kube kubernetes.Interface, name string, labels map[string]string, ips ...netip.Addr) {
-	t.Helper()
-	addrs := make([]string, len(ips))
-	for i, ip := range ips {
-		addrs[i] = ip.String()
-	}
-	kubetest.CreateRunningPod(t, kube, &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "app", Labels: labels},
-		Spec:       corev1.PodSpec{NodeName: "node-a"},
-	}, addrs...)
-}

@@ -153,7 +153,7 @@ func heapPerPod(tb testing.TB) float64 {
 	before := heap()
 	w := newBenchWorld(tb)
 	w.fill(tb)
-	w.derivation(tb).step()
+	w.derivation(tb).Step()
 	after := heap()
 	runtime.KeepAlive(w)
 	return float64(after-before) / benchPods
@@ -169,7 +169,7 @@ func BenchmarkColdDerivation(b *testing.B) {
 		d := w.derivation(b)
 		b.StartTimer()
 
-		d.step()
+		d.Step()
 
 		b.StopTimer()
 		if n := w.enrolls.NumObjects(w.db.ReadTxn()); n != benchPods {
@@ -187,7 +187,7 @@ func BenchmarkPodChange(b *testing.B) {
 	w := newBenchWorld(b)
 	w.fill(b)
 	d := w.derivation(b)
-	d.step()
+	d.Step()
 	i := 0
 	for b.Loop() {
 		// Alternate the opt-out label so every change flips the decision.
@@ -199,7 +199,7 @@ func BenchmarkPodChange(b *testing.B) {
 		txn := w.db.WriteTxn(w.pods)
 		w.pods.Insert(txn, pod)
 		txn.Commit()
-		d.step()
+		d.Step()
 		e, _, _ := w.enrolls.Get(w.db.ReadTxn(), ByKey(pod.Key()))
 		if (e.Reason == ReasonOptOut) != (i%2 == 0) {
 			b.Fatalf("change %d did not reach its row: %+v", i, e)
@@ -214,7 +214,7 @@ func BenchmarkPolicyChange(b *testing.B) {
 	w := newBenchWorld(b)
 	w.fill(b)
 	d := w.derivation(b)
-	d.step()
+	d.Step()
 	i := 0
 	for b.Loop() {
 		idx := i % benchCNPs
@@ -223,7 +223,7 @@ func BenchmarkPolicyChange(b *testing.B) {
 		txn := w.db.WriteTxn(w.policies)
 		w.policies.Insert(txn, p)
 		txn.Commit()
-		d.step()
+		d.Step()
 		// A pod of that namespace running that app is now enrolled by p
 		// (unless an earlier-sorting CCNP already enrolls it).
 		pod := benchPod(idx+app*benchNamespaces, nil)

@@ -37,9 +37,7 @@ type derivationParams struct {
 // pods a change can affect.
 type derivation struct {
 	derivationParams
-
-	inputs   []reconcilers.Input[string]
-	initDone func(statedb.WriteTxn)
+	*reconcilers.Incremental[string]
 }
 
 func newDerivation(p derivationParams) (*derivation, error) {
@@ -66,8 +64,8 @@ func newDerivation(p derivationParams) (*derivation, error) {
 	if err != nil {
 		return nil, err
 	}
-	d.inputs = []reconcilers.Input[string]{pods, namespaces, policies, endpoints, cniPods}
-	d.initDone = p.Enrollments.RegisterInitializer(wtxn, "enrollment")
+	d.Incremental = reconcilers.NewIncremental(p.DB, p.Enrollments, p.Enrollments.RegisterInitializer(wtxn, "enrollment"),
+		d.update, pods, namespaces, policies, endpoints, cniPods)
 	wtxn.Commit()
 	return d, nil
 }
@@ -139,31 +137,9 @@ func namespaceOf(d *derivation, txn statedb.ReadTxn, pod *tables.Pod) *tables.Na
 }
 
 func (d *derivation) run(ctx context.Context, health cell.Health) error {
-	return reconcilers.RunDerivation(ctx, health, d.step, func() string {
+	return d.Run(ctx, health, func() string {
 		return fmt.Sprintf("%d pods", d.Enrollments.NumObjects(d.DB.ReadTxn()))
 	})
-}
-
-// step processes every change committed so far and returns the channels
-// that close when there is more to do.
-func (d *derivation) step() []<-chan struct{} {
-	txn := d.DB.ReadTxn()
-	dirty, watches := reconcilers.Collect(txn, d.inputs...)
-	if len(dirty) > 0 {
-		d.update(dirty)
-	}
-	if d.initDone == nil {
-		return watches
-	}
-	// The table is initialized once every input is and its rows are derived.
-	if waiting := reconcilers.Uninitialized(txn, d.inputs...); len(waiting) > 0 {
-		return append(watches, waiting...)
-	}
-	wtxn := d.DB.WriteTxn(d.Enrollments)
-	d.initDone(wtxn)
-	wtxn.Commit()
-	d.initDone = nil
-	return watches
 }
 
 // update recomputes the dirty pods in one transaction. Rows that come out
@@ -197,7 +173,7 @@ func (d *derivation) update(dirty map[string]struct{}) {
 	wtxn.Commit()
 	// One line per decision that changed, once committed; a cold start
 	// (every pod new) says it in one line.
-	if d.initDone != nil && len(logged) > 1 {
+	if !d.Initialized() && len(logged) > 1 {
 		d.Log.Info("Enrollments derived", "pods", len(logged))
 	} else {
 		for _, e := range logged {

@@ -3,7 +3,6 @@
 package redirect_test
 
 import (
-	"net/netip"
 	"testing"
 	"time"
 
@@ -30,11 +29,11 @@ func TestPublishReady(t *testing.T) {
 	_, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "app"}}, metav1.CreateOptions{})
 	must(t, err)
 	workload := map[string]string{tables.RedirTypeLabel: tables.RedirTypeWorkload}
-	createPod(t, kube, "ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, c.agent.IP4, c.agent.IP6)
-	createPod(t, kube, "a", "node-a", workload, c.a.IP4, c.a.IP6)
-	createPod(t, kube, "n", "node-a", nil, c.n.IP4, c.n.IP6)
-	createPod(t, kube, "ghost", "node-a", workload, ghostIP)
-	createPod(t, kube, "r", "node-b", workload, c.r.IP4, c.r.IP6)
+	kubetest.CreatePod(t, kube, "app", "ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, c.agent.IP4, c.agent.IP6)
+	kubetest.CreatePod(t, kube, "app", "a", "node-a", workload, c.a.IP4, c.a.IP6)
+	kubetest.CreatePod(t, kube, "app", "n", "node-a", nil, c.n.IP4, c.n.IP6)
+	kubetest.CreatePod(t, kube, "app", "ghost", "node-a", workload, ghostIP)
+	kubetest.CreatePod(t, kube, "app", "r", "node-b", workload, c.r.IP4, c.r.IP6)
 
 	ag := c.startAgent(t, "--source=k8s", "--kubeconfig="+kubetest.WriteKubeconfig(t, cfg))
 	podReady := func(txn statedb.ReadTxn, name string) bool {
@@ -84,14 +83,3 @@ func TestPublishReady(t *testing.T) {
 }
 
 // createPod creates a running pod in namespace app.
-func createPod(t *testing.T, kube kubernetes.Interface, name, node string, labels map[string]string, ips ...netip.Addr) {
-	t.Helper()
-	addrs := make([]string, len(ips))
-	for i, ip := range ips {
-		addrs[i] = ip.String()
-	}
-	kubetest.CreateRunningPod(t, kube, &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "app", Labels: labels},
-		Spec:       corev1.PodSpec{NodeName: node},
-	}, addrs...)
-}

@@ -17,12 +17,10 @@ import (
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
 	"github.com/cilium/statedb"
-	"github.com/spf13/pflag"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
@@ -45,8 +43,6 @@ func TestScript(t *testing.T) {
 }
 
 func newEngine(t testing.TB, args []string) *script.Engine {
-	log := hivetest.Logger(t)
-	manifests := t.TempDir()
 	k := &fakeKernel{
 		entries:  map[netip.Addr]bpf.Entry{},
 		attached: map[string]bpf.Hook{},
@@ -67,24 +63,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 			redirect.Core,
 		),
 	)
-	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
-	h.RegisterFlags(flags)
-	if err := flags.Parse(append([]string{"--source=dir:" + manifests, "--node-name=node-a"}, args...)); err != nil {
-		t.Fatalf("flags %v: %s", args, err)
-	}
-	cmds, err := h.ScriptCommands(log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	maps.Insert(cmds, maps.All(script.DefaultCmds()))
-	maps.Insert(cmds, maps.All(manifesttest.ScriptCommands(manifests)))
-	maps.Insert(cmds, maps.All(k.commands()))
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		h.Stop(log, ctx)
-	})
-	return &script.Engine{Cmds: cmds}
+	return manifesttest.NewEngine(t, h, t.TempDir(), append([]string{"--node-name=node-a"}, args...), k.commands())
 }
 
 // fakeKernel is a Datapath and Interfaces in memory.

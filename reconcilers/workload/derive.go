@@ -43,8 +43,7 @@ type derivationParams struct {
 // enrollments (who is in), pods and CNI reports (addresses) and readiness.
 type derivation struct {
 	derivationParams
-	inputs   []reconcilers.Input[string]
-	initDone func(statedb.WriteTxn)
+	*reconcilers.Incremental[string]
 }
 
 func newDerivation(p derivationParams) (*derivation, error) {
@@ -76,37 +75,16 @@ func newDerivation(p derivationParams) (*derivation, error) {
 	if err != nil {
 		return nil, err
 	}
-	d.inputs = []reconcilers.Input[string]{pods, cniPods, enrollments, ready}
-	d.initDone = p.Workloads.RegisterInitializer(wtxn, "workload")
+	d.Incremental = reconcilers.NewIncremental(p.DB, p.Workloads, p.Workloads.RegisterInitializer(wtxn, "workload"),
+		d.update, pods, cniPods, enrollments, ready)
 	wtxn.Commit()
 	return d, nil
 }
 
 func (d *derivation) run(ctx context.Context, health cell.Health) error {
-	return reconcilers.RunDerivation(ctx, health, d.step, func() string {
+	return d.Run(ctx, health, func() string {
 		return fmt.Sprintf("%d workloads", d.Workloads.NumObjects(d.DB.ReadTxn()))
 	})
-}
-
-// step processes every committed change and returns what to wait on.
-func (d *derivation) step() []<-chan struct{} {
-	txn := d.DB.ReadTxn()
-	dirty, watches := reconcilers.Collect(txn, d.inputs...)
-	if len(dirty) > 0 {
-		d.update(dirty)
-	}
-	if d.initDone == nil {
-		return watches
-	}
-	// Initialized once enrollments (and so pods) are, and derived.
-	if waiting := reconcilers.Uninitialized(txn, d.inputs...); len(waiting) > 0 {
-		return append(watches, waiting...)
-	}
-	wtxn := d.DB.WriteTxn(d.Workloads)
-	d.initDone(wtxn)
-	wtxn.Commit()
-	d.initDone = nil
-	return watches
 }
 
 func (d *derivation) update(dirty map[string]struct{}) {
@@ -150,9 +128,9 @@ func (d *derivation) redirected(txn statedb.ReadTxn, pod *tables.Pod) bool {
 	return found && r.Ready
 }
 
-// New encodes the Workload the mTLS agent needs for an enrolled pod
-// (fields as protocols.md lists them), with tunnel protocol HBONE only when
-// hbone: the pod's redirection is in place.
+// New encodes the Workload the mTLS agent needs for an enrolled pod (the
+// fields README "Delta xDS: the Workload API" lists), with tunnel protocol
+// HBONE only when hbone: the pod's redirection is in place.
 func New(clusterID, trustDomain string, pod *tables.Pod, hbone bool) (*Workload, error) {
 	uid := UID(clusterID, pod.Namespace, pod.Name)
 	w := &workloadapi.Workload{

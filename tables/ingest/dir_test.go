@@ -9,7 +9,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -18,6 +17,7 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
+	"github.com/mtlsbridge/mtlsbridge/internal/syncbuf"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -26,14 +26,14 @@ type folder struct {
 	t    *testing.T
 	dir  string
 	w    *writeTables
-	logs *lockedBuffer
+	logs *syncbuf.Buffer
 }
 
 func newFolder(t *testing.T) *folder {
 	db := statedb.New()
 	w, err := newWriteTables(db, slog.New(slog.DiscardHandler))
 	must(t, err)
-	return &folder{t: t, dir: t.TempDir(), w: w, logs: &lockedBuffer{}}
+	return &folder{t: t, dir: t.TempDir(), w: w, logs: &syncbuf.Buffer{}}
 }
 
 func (f *folder) write(name, content string) {
@@ -185,23 +185,6 @@ func TestFolderReportsDuplicates(t *testing.T) {
 	}
 	must(t, os.Remove(filepath.Join(f.dir, "b.yaml")))
 	f.waitFor("the removal of b.yaml", func() bool { return f.pod("app/api") == nil && f.source("b.yaml") == nil })
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 func must(t *testing.T, err error) {
