@@ -33,12 +33,6 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
-var (
-	cnpGVR  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumnetworkpolicies"}
-	ccnpGVR = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumclusterwidenetworkpolicies"}
-	cepGVR  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumendpoints"}
-)
-
 // TestKubernetesSource runs the agent against a real kube-apiserver and etcd
 // and checks that the enrollments table follows pods, namespaces, policies
 // and endpoints as they are created, changed and deleted.
@@ -98,7 +92,7 @@ func TestKubernetesSource(t *testing.T) {
 
 	// Step 2: a CNP requiring authentication enrolls web; its endpoint gives
 	// the Cilium identity.
-	createObject(t, dyn, cnpGVR, "app", map[string]any{
+	createObject(t, dyn, kubetest.CNPResource, "app", map[string]any{
 		"apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
 		"metadata": map[string]any{"name": "web-mtls", "namespace": "app"},
 		"spec": map[string]any{
@@ -106,7 +100,7 @@ func TestKubernetesSource(t *testing.T) {
 			"ingress":          []any{map[string]any{"authentication": map[string]any{"mode": "required"}}},
 		},
 	})
-	createObject(t, dyn, cepGVR, "app", map[string]any{
+	createObject(t, dyn, kubetest.CEPResource, "app", map[string]any{
 		"apiVersion": "cilium.io/v2", "kind": "CiliumEndpoint",
 		"metadata": map[string]any{"name": "web", "namespace": "app"},
 		"status":   map[string]any{"identity": map[string]any{"id": int64(31337)}},
@@ -140,7 +134,7 @@ func TestKubernetesSource(t *testing.T) {
 	// Step 4: a CCNP scoped to the namespace takes over api; a policy that
 	// Cilium's schema admits but whose selector is invalid (In without
 	// values) is recorded with its error and enrolls nothing.
-	createObject(t, dyn, ccnpGVR, "", map[string]any{
+	createObject(t, dyn, kubetest.CCNPResource, "", map[string]any{
 		"apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
 		"metadata": map[string]any{"name": "app-api"},
 		"spec": map[string]any{
@@ -149,7 +143,7 @@ func TestKubernetesSource(t *testing.T) {
 			"egress": []any{map[string]any{"authentication": map[string]any{"mode": "required"}}},
 		},
 	})
-	createObject(t, dyn, cnpGVR, "app", map[string]any{
+	createObject(t, dyn, kubetest.CNPResource, "app", map[string]any{
 		"apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
 		"metadata": map[string]any{"name": "bad-selector", "namespace": "app"},
 		"spec": map[string]any{
@@ -165,7 +159,7 @@ func TestKubernetesSource(t *testing.T) {
 
 	// Step 5: deletes. The CCNP goes (api falls back to the namespace label),
 	// then the pod goes (its row goes).
-	must(t, dyn.Resource(ccnpGVR).Delete(ctx, "app-api", metav1.DeleteOptions{}))
+	must(t, dyn.Resource(kubetest.CCNPResource).Delete(ctx, "app-api", metav1.DeleteOptions{}))
 	wait("api back to the namespace label", func(txn statedb.ReadTxn) bool {
 		return reason(txn, "app/api") == enrollment.ReasonNamespaceLabel
 	})

@@ -19,7 +19,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -45,6 +44,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/internal/gomodule"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 )
@@ -62,12 +62,6 @@ rules:
   users: ["` + ciliumUser + `"]
 - level: None
 `
-)
-
-var (
-	cnpGVR  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumnetworkpolicies"}
-	ccnpGVR = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumclusterwidenetworkpolicies"}
-	cepGVR  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumendpoints"}
 )
 
 // permission is one verb on one resource, as RBAC and the audit log name
@@ -160,19 +154,19 @@ func newCluster(t *testing.T) *cluster {
 		ns  string
 		obj map[string]any
 	}{
-		{cnpGVR, "app", map[string]any{"apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+		{kubetest.CNPResource, "app", map[string]any{"apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
 			"metadata": map[string]any{"name": "web-mtls", "namespace": "app"},
 			"spec": map[string]any{
 				"endpointSelector": map[string]any{"matchLabels": map[string]any{"app": "web"}},
 				"ingress":          []any{map[string]any{"authentication": map[string]any{"mode": "required"}}},
 			}}},
-		{ccnpGVR, "", map[string]any{"apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
+		{kubetest.CCNPResource, "", map[string]any{"apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
 			"metadata": map[string]any{"name": "other"},
 			"spec": map[string]any{
 				"endpointSelector": map[string]any{"matchLabels": map[string]any{"app": "other"}},
 				"egress":           []any{map[string]any{"toEntities": []any{"world"}}},
 			}}},
-		{cepGVR, "app", map[string]any{"apiVersion": "cilium.io/v2", "kind": "CiliumEndpoint",
+		{kubetest.CEPResource, "app", map[string]any{"apiVersion": "cilium.io/v2", "kind": "CiliumEndpoint",
 			"metadata": map[string]any{"name": "web", "namespace": "app"},
 			"status":   map[string]any{"identity": map[string]any{"id": int64(4242)}}}},
 	} {
@@ -223,18 +217,8 @@ func sidecarKubeconfig(t *testing.T, cfg *rest.Config, server string) string {
 // buildAgent builds mtlsbridge and mtlsbridge-cni into one folder (the
 // agent installs the plugin from beside its own executable).
 func buildAgent(t *testing.T) string {
-	t.Helper()
-	gomod, err := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "env", "GOMOD").Output()
-	must(t, err)
-	root := filepath.Dir(strings.TrimSpace(string(gomod)))
 	dir := t.TempDir()
-	for _, name := range []string{"mtlsbridge", "mtlsbridge-cni"} {
-		cmd := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "build", "-o", filepath.Join(dir, name), "./cmd/"+name)
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("go build ./cmd/%s: %v\n%s", name, err, out)
-		}
-	}
+	gomodule.Build(t, dir, "mtlsbridge", "mtlsbridge-cni")
 	return dir
 }
 

@@ -58,11 +58,11 @@ func TestCNPSchemaWithoutAuthentication(t *testing.T) {
 			}},
 		},
 	}}
-	_, err = dyn.Resource(cnpGVR).Namespace("app").Create(ctx, cnp, metav1.CreateOptions{})
+	_, err = dyn.Resource(kubetest.CNPResource).Namespace("app").Create(ctx, cnp, metav1.CreateOptions{})
 	must(t, err)
 
 	// Stored without the field; the rest of the rule and the annotation stay.
-	got, err := dyn.Resource(cnpGVR).Namespace("app").Get(ctx, "web-mtls", metav1.GetOptions{})
+	got, err := dyn.Resource(kubetest.CNPResource).Namespace("app").Get(ctx, "web-mtls", metav1.GetOptions{})
 	must(t, err)
 	ingress, _, _ := unstructured.NestedSlice(got.Object, "spec", "ingress")
 	if len(ingress) != 1 {

@@ -4,14 +4,13 @@ package cnitest
 
 import (
 	"bytes"
-	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/gomodule"
 )
 
 // PluginsEnv names the folder that holds the reference plugins, as
@@ -32,7 +31,7 @@ func Plugins(t testing.TB) string {
 	t.Helper()
 	dir := os.Getenv(PluginsEnv)
 	if dir == "" {
-		root, err := moduleRoot()
+		root, err := gomodule.Root()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -61,10 +60,6 @@ func Plugins(t testing.TB) string {
 func Binaries(t testing.TB) string {
 	t.Helper()
 	plugins := Plugins(t)
-	root, err := moduleRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
 	// A short path under the temporary folder rather than t.TempDir's,
 	// which carries the test's name: it shows up in every CNI_PATH and
 	// error message.
@@ -78,27 +73,6 @@ func Binaries(t testing.TB) string {
 			t.Fatal(err)
 		}
 	}
-	gobin := filepath.Join(runtime.GOROOT(), "bin", "go")
-	for _, name := range ourCommands {
-		cmd := exec.Command(gobin, "build", "-o", filepath.Join(dir, name), "./cmd/"+name)
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("go build ./cmd/%s: %v\n%s", name, err, out)
-		}
-	}
+	gomodule.Build(t, dir, ourCommands...)
 	return dir
-}
-
-// moduleRoot is the folder of this module's go.mod, as the go command
-// finds it from the test's working folder (its package).
-func moduleRoot() (string, error) {
-	out, err := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "env", "GOMOD").Output()
-	if err != nil {
-		return "", fmt.Errorf("go env GOMOD: %w", err)
-	}
-	gomod := strings.TrimSpace(string(out))
-	if gomod == "" || gomod == os.DevNull {
-		return "", errors.New("go env GOMOD: not inside a module")
-	}
-	return filepath.Dir(gomod), nil
 }

@@ -4,18 +4,18 @@ package kubetest
 
 import (
 	"bytes"
-	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
 
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/yaml"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/gomodule"
 )
 
 const (
@@ -36,7 +36,7 @@ func CiliumDir(t testing.TB) string {
 	t.Helper()
 	dir := os.Getenv(CiliumEnv)
 	if dir == "" {
-		root, err := moduleRoot()
+		root, err := gomodule.Root()
 		if err != nil {
 			t.Fatalf("kubetest: %v", err)
 		}
@@ -79,20 +79,6 @@ func CiliumCRDs(t testing.TB) string {
 func ApplyCiliumCRDs(t testing.TB, cfg *rest.Config) {
 	t.Helper()
 	ApplyCRDs(t, cfg, CiliumCRDs(t))
-}
-
-// moduleRoot is the folder of this module's go.mod, as the go command
-// finds it from the test's working folder (its package).
-func moduleRoot() (string, error) {
-	out, err := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "env", "GOMOD").Output()
-	if err != nil {
-		return "", fmt.Errorf("go env GOMOD: %w", err)
-	}
-	gomod := strings.TrimSpace(string(out))
-	if gomod == "" || gomod == os.DevNull {
-		return "", errors.New("go env GOMOD: not inside a module")
-	}
-	return filepath.Dir(gomod), nil
 }
 
 // ApplyCiliumCRDsWithout applies Cilium's CRDs with every schema property
@@ -158,3 +144,10 @@ func removeProperty(v any, name string) int {
 	}
 	return n
 }
+
+// The resources of Cilium's CRDs that mtlsbridge reads.
+var (
+	CNPResource  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumnetworkpolicies"}
+	CCNPResource = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumclusterwidenetworkpolicies"}
+	CEPResource  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumendpoints"}
+)

@@ -7,17 +7,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
-)
-
-var (
-	cnpGVR  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumnetworkpolicies"}
-	ccnpGVR = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumclusterwidenetworkpolicies"}
-	cepGVR  = schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumendpoints"}
 )
 
 func TestStart(t *testing.T) {
@@ -88,10 +81,10 @@ func TestStart(t *testing.T) {
 			}},
 		},
 	}}
-	if _, err := dyn.Resource(cnpGVR).Namespace(ns).Create(ctx, cnp, metav1.CreateOptions{}); err != nil {
+	if _, err := dyn.Resource(kubetest.CNPResource).Namespace(ns).Create(ctx, cnp, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	got, err := dyn.Resource(cnpGVR).Namespace(ns).Get(ctx, "allow-client", metav1.GetOptions{})
+	got, err := dyn.Resource(kubetest.CNPResource).Namespace(ns).Get(ctx, "allow-client", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,10 +107,10 @@ func TestStart(t *testing.T) {
 			map[string]any{"nodeSelector": map[string]any{}, "egress": []any{map[string]any{}}},
 		},
 	}}
-	if _, err := dyn.Resource(ccnpGVR).Create(ctx, ccnp, metav1.CreateOptions{}); err != nil {
+	if _, err := dyn.Resource(kubetest.CCNPResource).Create(ctx, ccnp, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	got, err = dyn.Resource(ccnpGVR).Get(ctx, "cluster-rule", metav1.GetOptions{})
+	got, err = dyn.Resource(kubetest.CCNPResource).Get(ctx, "cluster-rule", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,10 +134,10 @@ func TestStart(t *testing.T) {
 			},
 		},
 	}}
-	if _, err := dyn.Resource(cepGVR).Namespace(ns).Create(ctx, cep, metav1.CreateOptions{}); err != nil {
+	if _, err := dyn.Resource(kubetest.CEPResource).Namespace(ns).Create(ctx, cep, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	got, err = dyn.Resource(cepGVR).Namespace(ns).Get(ctx, "client", metav1.GetOptions{})
+	got, err = dyn.Resource(kubetest.CEPResource).Namespace(ns).Get(ctx, "client", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -156,7 +149,7 @@ func TestStart(t *testing.T) {
 		t.Errorf("CiliumEndpoint status.networking.node = %q, want 192.0.2.10", node)
 	}
 
-	list, err := dyn.Resource(cepGVR).Namespace(ns).List(ctx, metav1.ListOptions{})
+	list, err := dyn.Resource(kubetest.CEPResource).Namespace(ns).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
