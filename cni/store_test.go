@@ -93,7 +93,7 @@ func TestPodAddrs(t *testing.T) {
 // by a caller of the socket), go once they are older than the grace.
 func TestUnknownPodRows(t *testing.T) {
 	db := statedb.New()
-	pods, err := tables.NewPodsTable(db)
+	pods, err := tables.NewPodsTable(db, tables.LocalNode{NodeName: "node-a"})
 	must(t, err)
 	cniPods, err := tables.NewCNIPodsTable(db)
 	must(t, err)

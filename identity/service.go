@@ -87,7 +87,7 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 
 // localHolder returns an enrolled pod on this node holding the identity.
 func (s *caService) localHolder(id string) (string, bool) {
-	for e := range s.enrollments.List(s.db.ReadTxn(), enrollment.ByNode(s.localNode.NodeName)) {
+	for e := range s.enrollments.List(s.db.ReadTxn(), enrollment.OfThisNode()) {
 		if e.Enrolled && (e.SpiffeID == id || e.IdentitySpiffeID == id) {
 			return e.Key(), true
 		}

@@ -3,6 +3,7 @@
 package tables
 
 import (
+	"iter"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -78,18 +79,6 @@ var (
 		FromString: index.FromString,
 		Unique:     true,
 	}
-	podNamespaceIndex = statedb.Index[*Pod, string]{
-		Name:       "namespace",
-		FromObject: func(p *Pod) index.KeySet { return index.NewKeySet(ExactKey(p.Namespace)) },
-		FromKey:    ExactKey,
-		FromString: ExactKeyFromString,
-	}
-	podNodeIndex = statedb.Index[*Pod, string]{
-		Name:       "node",
-		FromObject: func(p *Pod) index.KeySet { return index.NewKeySet(ExactKey(p.NodeName)) },
-		FromKey:    ExactKey,
-		FromString: ExactKeyFromString,
-	}
 	// podIPIndex finds pods by address (the bypass check, on-demand xDS).
 	// Not unique: a finished pod may still hold an address reused since.
 	podIPIndex = statedb.Index[*Pod, netip.Addr]{
@@ -101,13 +90,35 @@ var (
 
 	// PodByKey queries a pod by "namespace/name".
 	PodByKey = podKeyIndex.Query
-	// PodsByNamespace queries the pods of a namespace.
-	PodsByNamespace = podNamespaceIndex.Query
-	// PodsByNode queries the pods scheduled to a node.
-	PodsByNode = podNodeIndex.Query
 	// PodsByIP queries the pods holding an address.
 	PodsByIP = podIPIndex.Query
 )
+
+// podLocalIndex holds the pods scheduled to node, and no other: the agent
+// looks up as a set only the pods of its own node (its redirections, their
+// readiness), and an index of every pod by node would cost 100 B a pod.
+func podLocalIndex(node string) statedb.Index[*Pod, bool] {
+	return statedb.Index[*Pod, bool]{
+		Name: "local",
+		FromObject: func(p *Pod) index.KeySet {
+			if node == "" || p.NodeName != node {
+				return index.KeySet{}
+			}
+			return index.NewKeySet(index.Bool(true))
+		},
+		FromKey:    index.Bool,
+		FromString: index.BoolString,
+	}
+}
+
+// PodsOfThisNode queries the pods scheduled to the agent's node.
+func PodsOfThisNode() statedb.Query[*Pod] { return podLocalIndex("").Query(true) }
+
+// PodsOfNamespace yields the pods of namespace ns: a prefix of their
+// primary keys, which costs no index of its own (100 B a pod at 100,000).
+func PodsOfNamespace(txn statedb.ReadTxn, pods statedb.Table[*Pod], ns string) iter.Seq2[*Pod, statedb.Revision] {
+	return pods.Prefix(txn, PodByKey(ns+"/"))
+}
 
 // addrKeys are the keys of an address index.
 func addrKeys(ips []netip.Addr) index.KeySet {
@@ -121,7 +132,7 @@ func addrKeys(ips []netip.Addr) index.KeySet {
 	return index.NewKeySet(keys[0], keys[1:]...)
 }
 
-// NewPodsTable creates the pods table.
-func NewPodsTable(db *statedb.DB) (statedb.RWTable[*Pod], error) {
-	return statedb.NewTable(db, PodsTableName, podKeyIndex, podNamespaceIndex, podNodeIndex, podIPIndex)
+// NewPodsTable creates the pods table of the agent of node.
+func NewPodsTable(db *statedb.DB, node LocalNode) (statedb.RWTable[*Pod], error) {
+	return statedb.NewTable(db, PodsTableName, podKeyIndex, podLocalIndex(node.NodeName), podIPIndex)
 }

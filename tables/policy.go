@@ -45,6 +45,10 @@ type Policy struct {
 	// policy's last valid version: an edit that breaks a policy must not
 	// silently unenroll the pods it protects (fail closed).
 	LastValid bool `json:"lastValid,omitempty"`
+
+	// key caches Key(): the enrollment of every pod compares the keys of
+	// the policies that select it.
+	key string
 }
 
 // KeepLastValid returns the new version of a policy, holding on to the
@@ -60,7 +64,12 @@ func KeepLastValid(old, new *Policy) *Policy {
 
 // Key is the primary key: "cnp/NAMESPACE/NAME" or "ccnp/NAME". Enrollment
 // reasons name policies by it.
-func (p *Policy) Key() string { return PolicyKey(p.Kind, p.Namespace, p.Name) }
+func (p *Policy) Key() string {
+	if p.key != "" {
+		return p.key
+	}
+	return PolicyKey(p.Kind, p.Namespace, p.Name)
+}
 
 // PolicyKey builds the key of a policy.
 func PolicyKey(kind PolicyKind, namespace, name string) string {
@@ -214,6 +223,15 @@ var (
 	// label LabelKey(k, v), or every pod (MatchAll).
 	PoliciesByAnchor = policyAnchorIndex.Query
 )
+
+// PoliciesByLabel is PoliciesByAnchor(LabelKey(k, v)) with the key built in
+// buf, returned for the next query: the enrollment of a pod queries one
+// anchor per label, and this costs it no allocation. The query is valid
+// until buf is reused.
+func PoliciesByLabel(buf []byte, k, v string) (statedb.Query[*Policy], []byte) {
+	buf = append(append(append(append(buf[:0], k...), '='), v...), '|')
+	return policyAnchorIndex.QueryFromKey(index.Key(buf)), buf
+}
 
 // NewPoliciesTable creates the policies table.
 func NewPoliciesTable(db *statedb.DB) (statedb.RWTable[*Policy], error) {

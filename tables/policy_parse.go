@@ -38,6 +38,7 @@ func ParsePolicy(kind PolicyKind, namespace, name string, content map[string]any
 	if kind == KindCCNP {
 		p.Namespace = ""
 	}
+	p.key = PolicyKey(kind, p.Namespace, name)
 	sels, err := parsePolicy(content)
 	if err != nil {
 		p.Error = err.Error()

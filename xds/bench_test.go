@@ -177,7 +177,7 @@ func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryService
 	if err != nil {
 		b.Fatal(err)
 	}
-	pods, err := tables.NewPodsTable(t.db)
+	pods, err := tables.NewPodsTable(t.db, tables.LocalNode{})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -107,7 +107,7 @@ func (c *Checker) Check() ([]*Bypass, error) {
 	if c.p.Acks != nil {
 		in.Acks = func(uid string) bool { return xds.HoldsHBONE(txn, c.p.Acks, uid) }
 	}
-	for e := range c.p.Enrollments.List(txn, enrollment.ByNode(c.p.Node.NodeName)) {
+	for e := range c.p.Enrollments.List(txn, enrollment.OfThisNode()) {
 		if !e.Enrolled || e.MTLSAgent {
 			continue
 		}

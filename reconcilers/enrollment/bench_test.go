@@ -24,6 +24,9 @@ const (
 	benchCNPs       = 950
 	benchCCNPs      = 50
 	benchApps       = 10
+	// benchLocalNode runs pods 1, 1001, 2001...: 100 pods of namespace
+	// ns-1, which is not labelled for mTLS.
+	benchLocalNode = "node-1"
 )
 
 type benchWorld struct {
@@ -47,7 +50,7 @@ func newBenchWorld(tb testing.TB) *benchWorld {
 			tb.Fatal(e)
 		}
 	}
-	w.pods, err = tables.NewPodsTable(db)
+	w.pods, err = tables.NewPodsTable(db, tables.LocalNode{NodeName: benchLocalNode})
 	must(err)
 	w.namespaces, err = tables.NewNamespacesTable(db)
 	must(err)
@@ -57,7 +60,7 @@ func newBenchWorld(tb testing.TB) *benchWorld {
 	must(err)
 	w.cniPods, err = tables.NewCNIPodsTable(db)
 	must(err)
-	w.enrolls, err = NewTable(db)
+	w.enrolls, err = NewTable(db, tables.LocalNode{NodeName: benchLocalNode})
 	must(err)
 	return w
 }
@@ -125,7 +128,7 @@ func (w *benchWorld) fill(tb testing.TB) {
 
 func (w *benchWorld) derivation(tb testing.TB) *derivation {
 	d, err := newDerivation(derivationParams{
-		Config: defaultConfig, Log: slog.New(slog.DiscardHandler), DB: w.db,
+		Config: defaultConfig, Node: tables.LocalNode{NodeName: benchLocalNode}, Log: slog.New(slog.DiscardHandler), DB: w.db,
 		Pods: w.pods, Namespaces: w.namespaces, Policies: w.policies, Endpoints: w.endpoints,
 		CNIPods: w.cniPods, Enrollments: w.enrolls,
 	})
@@ -172,13 +175,34 @@ func BenchmarkColdDerivation(b *testing.B) {
 		d.Step()
 
 		b.StopTimer()
-		if n := w.enrolls.NumObjects(w.db.ReadTxn()); n != benchPods {
-			b.Fatalf("derived %d enrollments, want %d", n, benchPods)
-		}
+		w.checkRows(b)
 		if ok, _ := w.enrolls.Initialized(w.db.ReadTxn()); !ok {
 			b.Fatal("enrollments not initialized after the first pass")
 		}
 		b.StartTimer()
+	}
+}
+
+// checkRows fails unless the enrollments table has a row for each pod of
+// this node and for each enrolled pod, and no other.
+func (w *benchWorld) checkRows(tb testing.TB) {
+	txn := w.db.ReadTxn()
+	rows := 0
+	for e := range w.enrolls.All(txn) {
+		if !e.Enrolled && e.Node != benchLocalNode {
+			tb.Fatalf("row of a remote pod that is not enrolled: %+v", e)
+		}
+		rows++
+	}
+	local := 0
+	for pod := range w.pods.List(txn, tables.PodsOfThisNode()) {
+		if _, _, ok := w.enrolls.Get(txn, ByKey(pod.Key())); !ok {
+			tb.Fatalf("no row for %s, a pod of this node", pod.Key())
+		}
+		local++
+	}
+	if rows < local || rows == local {
+		tb.Fatalf("%d rows for %d local pods: no remote pod enrolled", rows, local)
 	}
 }
 
@@ -195,7 +219,9 @@ func BenchmarkPodChange(b *testing.B) {
 		if i%2 == 0 {
 			extra[tables.RedirTypeLabel] = tables.RedirTypeNone
 		}
-		pod := benchPod(i%benchPods, extra)
+		// A pod of this node (it has a row whether enrolled or not) that
+		// runs app-0, which no policy of ns-1 selects.
+		pod := benchPod(1+10*benchNodes*(i%10), extra)
 		txn := w.db.WriteTxn(w.pods)
 		w.pods.Insert(txn, pod)
 		txn.Commit()

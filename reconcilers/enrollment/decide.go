@@ -14,5 +14,5 @@ import (
 // the enrollments table has seen them.
 func Decide(cfg Config, txn statedb.ReadTxn, namespaces statedb.Table[*tables.Namespace],
 	policies statedb.Table[*tables.Policy], endpoints statedb.Table[*tables.Endpoint], pod *tables.Pod) *Enrollment {
-	return decide(cfg, inputs{txn: txn, namespaces: namespaces, policies: policies, endpoints: endpoints}, pod)
+	return decide(cfg, &inputs{txn: txn, namespaces: namespaces, policies: policies, endpoints: endpoints}, pod)
 }

@@ -20,6 +20,7 @@ type derivationParams struct {
 	cell.In
 
 	Config      Config
+	Node        tables.LocalNode
 	Log         *slog.Logger
 	DB          *statedb.DB
 	Jobs        job.Registry
@@ -88,7 +89,7 @@ func cniPodTouches(_ statedb.ReadTxn, c statedb.Change[*tables.CNIPod], dirty ma
 // A namespace change affects every pod in it (namespace label, namespace
 // labels in selectors).
 func (d *derivation) namespaceTouches(txn statedb.ReadTxn, c statedb.Change[*tables.Namespace], dirty map[string]struct{}) {
-	for pod := range d.Pods.List(txn, tables.PodsByNamespace(c.Object.Name)) {
+	for pod := range tables.PodsOfNamespace(txn, d.Pods, c.Object.Name) {
 		dirty[pod.Key()] = struct{}{}
 	}
 }
@@ -110,7 +111,7 @@ func (d *derivation) policyTouches(txn statedb.ReadTxn, c statedb.Change[*tables
 		}
 	}
 	if p.Kind == tables.KindCNP {
-		for pod := range d.Pods.List(txn, tables.PodsByNamespace(p.Namespace)) {
+		for pod := range tables.PodsOfNamespace(txn, d.Pods, p.Namespace) {
 			visit(pod)
 		}
 		return
@@ -120,7 +121,7 @@ func (d *derivation) policyTouches(txn statedb.ReadTxn, c statedb.Change[*tables
 	// these rare cluster-wide changes cost in time).
 	for _, sel := range p.Selectors {
 		if ns, ok := sel.Namespace(); ok {
-			for pod := range d.Pods.List(txn, tables.PodsByNamespace(ns)) {
+			for pod := range tables.PodsOfNamespace(txn, d.Pods, ns) {
 				visit(pod)
 			}
 			continue
@@ -144,29 +145,35 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 
 // update recomputes the dirty pods in one transaction. Rows that come out
 // equal are not rewritten, so that readers of the enrollments' changes see
-// only real changes.
+// only real changes. A row is kept for each pod of this node and each
+// enrolled pod of the cluster: a remote pod that is not enrolled concerns
+// only its own node's agent, and its row would cost every node memory.
 func (d *derivation) update(dirty map[string]struct{}) {
 	start := time.Now()
 	wtxn := d.DB.WriteTxn(d.Enrollments)
-	in := inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, endpoints: d.Endpoints}
+	in := &inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, endpoints: d.Endpoints}
 	changed := 0
 	var logged []*Enrollment
 	for key := range dirty {
 		old, _, hadOld := d.Enrollments.Get(wtxn, ByKey(key))
 		pod, _, found := d.Pods.Get(wtxn, tables.PodByKey(key))
-		switch {
-		case !found && hadOld:
+		var e *Enrollment
+		if found {
+			// The addresses the sandbox got count before the API has them.
+			e = decide(d.Config, in, tables.WithPodAddrs(wtxn, d.CNIPods, pod))
+		}
+		switch keep := e != nil && (e.Enrolled || e.Node == d.Node.NodeName); {
+		case keep && (!hadOld || *e != *old):
+			d.Enrollments.Insert(wtxn, e)
+			changed++
+			if !hadOld || e.Enrolled != old.Enrolled || e.Reason != old.Reason || e.IgnoredOptOut != old.IgnoredOptOut {
+				logged = append(logged, e)
+			}
+		case !keep && hadOld:
 			d.Enrollments.Delete(wtxn, old)
 			changed++
-		case found:
-			// The addresses the sandbox got count before the API has them.
-			pod = tables.WithPodAddrs(wtxn, d.CNIPods, pod)
-			if e := decide(d.Config, in, pod); !hadOld || *e != *old {
-				d.Enrollments.Insert(wtxn, e)
-				changed++
-				if !hadOld || e.Enrolled != old.Enrolled || e.Reason != old.Reason || e.IgnoredOptOut != old.IgnoredOptOut {
-					logged = append(logged, e)
-				}
+			if e != nil && old.Enrolled {
+				logged = append(logged, e)
 			}
 		}
 	}

@@ -29,6 +29,8 @@ type inputs struct {
 	namespaces statedb.Table[*tables.Namespace]
 	policies   statedb.Table[*tables.Policy]
 	endpoints  statedb.Table[*tables.Endpoint]
+	// anchor is the scratch buffer of policy anchor queries.
+	anchor []byte
 }
 
 // decide applies the enrollment rules (README, "Enrollment rules") to one
@@ -40,7 +42,7 @@ type inputs struct {
 //     row says that it was ignored;
 //  3. the pod label cilium.io/redir-type: "none" opts out, "workload" enrolls;
 //  4. the namespace label io.cilium/mtls-enabled=true.
-func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
+func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 	e := &Enrollment{
 		Namespace: pod.Namespace,
 		Pod:       pod.Name,
@@ -90,19 +92,22 @@ func decide(cfg Config, in inputs, pod *tables.Pod) *Enrollment {
 // authentication and select the pod, or "". Candidates come from the anchor
 // index: policies of the pod's namespace, policies anchored on one of its
 // labels, and policies that may select any pod.
-func selectingPolicy(in inputs, pod *tables.Pod, ns *tables.Namespace) string {
+func selectingPolicy(in *inputs, pod *tables.Pod, ns *tables.Namespace) string {
 	best := ""
-	consider := func(anchor string) {
-		for p := range in.policies.List(in.txn, tables.PoliciesByAnchor(anchor)) {
+	consider := func(q statedb.Query[*tables.Policy]) {
+		for p := range in.policies.List(in.txn, q) {
 			if key := p.Key(); (best == "" || key < best) && p.Selects(pod, ns) {
 				best = key
 			}
 		}
 	}
-	consider(tables.LabelKey(tables.NamespaceLabel, pod.Namespace))
-	consider(tables.MatchAll)
+	var q statedb.Query[*tables.Policy]
+	q, in.anchor = tables.PoliciesByLabel(in.anchor, tables.NamespaceLabel, pod.Namespace)
+	consider(q)
+	consider(tables.PoliciesByAnchor(tables.MatchAll))
 	for k, v := range pod.Labels.All() {
-		consider(tables.LabelKey(k, v))
+		q, in.anchor = tables.PoliciesByLabel(in.anchor, k, v)
+		consider(q)
 	}
 	return best
 }

@@ -67,12 +67,6 @@ var (
 		FromString: index.FromString,
 		Unique:     true,
 	}
-	nodeIndex = statedb.Index[*Enrollment, string]{
-		Name:       "node",
-		FromObject: func(e *Enrollment) index.KeySet { return index.NewKeySet(tables.ExactKey(e.Node)) },
-		FromKey:    tables.ExactKey,
-		FromString: tables.ExactKeyFromString,
-	}
 	policyIndex = statedb.Index[*Enrollment, string]{
 		Name: "policy",
 		FromObject: func(e *Enrollment) index.KeySet {
@@ -87,13 +81,30 @@ var (
 
 	// ByKey queries the enrollment of the pod "namespace/name".
 	ByKey = keyIndex.Query
-	// ByNode queries the enrollments of a node's pods.
-	ByNode = nodeIndex.Query
 	// ByPolicy queries the pods a policy enrolled (by tables.Policy.Key()).
 	ByPolicy = policyIndex.Query
 )
 
-// NewTable creates the enrollments table.
-func NewTable(db *statedb.DB) (statedb.RWTable[*Enrollment], error) {
-	return statedb.NewTable(db, TableName, keyIndex, nodeIndex, policyIndex)
+// localIndex holds the rows of node's pods, the only node whose rows are
+// looked up as a set (redirections, certificates, the bypass check).
+func localIndex(node string) statedb.Index[*Enrollment, bool] {
+	return statedb.Index[*Enrollment, bool]{
+		Name: "local",
+		FromObject: func(e *Enrollment) index.KeySet {
+			if node == "" || e.Node != node {
+				return index.KeySet{}
+			}
+			return index.NewKeySet(index.Bool(true))
+		},
+		FromKey:    index.Bool,
+		FromString: index.BoolString,
+	}
+}
+
+// OfThisNode queries the rows of the pods of the agent's node.
+func OfThisNode() statedb.Query[*Enrollment] { return localIndex("").Query(true) }
+
+// NewTable creates the enrollments table of the agent of node.
+func NewTable(db *statedb.DB, node tables.LocalNode) (statedb.RWTable[*Enrollment], error) {
+	return statedb.NewTable(db, TableName, keyIndex, localIndex(node.NodeName), policyIndex)
 }

@@ -55,7 +55,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 func (d *derivation) step() []<-chan struct{} {
 	wtxn := d.DB.WriteTxn(d.Table)
 	defer wtxn.Commit()
-	pods, podsWatch := d.Pods.ListWatch(wtxn, tables.PodsByNode(d.Node.NodeName))
+	pods, podsWatch := d.Pods.ListWatch(wtxn, tables.PodsOfThisNode())
 	_, redirectsWatch := d.Redirects.AllWatch(wtxn)
 	_, attachmentsWatch := d.Attachments.AllWatch(wtxn)
 	_, cniPodsWatch := d.CNIPods.AllWatch(wtxn)

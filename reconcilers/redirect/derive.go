@@ -143,9 +143,9 @@ func (d *derivation) pass(scan Scan, scanErr error, initialize bool) ([4]<-chan 
 	wtxn := d.DB.WriteTxn(d.Redirects, d.Attachments)
 	defer wtxn.Abort()
 	node := d.Node.NodeName
-	pods, podsWatch := d.Pods.ListWatch(wtxn, tables.PodsByNode(node))
+	pods, podsWatch := d.Pods.ListWatch(wtxn, tables.PodsOfThisNode())
 	_, cniPodsWatch := d.CNIPods.AllWatch(wtxn)
-	enrollments, enrollWatch := d.Enrollments.ListWatch(wtxn, enrollment.ByNode(node))
+	enrollments, enrollWatch := d.Enrollments.ListWatch(wtxn, enrollment.OfThisNode())
 	nodeObj, _, nodeWatch, _ := d.Nodes.GetWatch(wtxn, tables.NodeByName(node))
 
 	enrolled := map[string]*enrollment.Enrollment{}

@@ -200,10 +200,10 @@ func restConfig(kubeconfig string) (*rest.Config, error) {
 	return clientcmd.BuildConfigFromFlags("", kubeconfig)
 }
 
-func newWriteTables(db *statedb.DB, log *slog.Logger) (*writeTables, error) {
+func newWriteTables(db *statedb.DB, node tables.LocalNode, log *slog.Logger) (*writeTables, error) {
 	w := &writeTables{DB: db, log: log}
 	var err error
-	if w.Pods, err = tables.NewPodsTable(db); err != nil {
+	if w.Pods, err = tables.NewPodsTable(db, node); err != nil {
 		return nil, err
 	}
 	if w.Namespaces, err = tables.NewNamespacesTable(db); err != nil {

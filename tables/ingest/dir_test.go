@@ -31,7 +31,7 @@ type folder struct {
 
 func newFolder(t *testing.T) *folder {
 	db := statedb.New()
-	w, err := newWriteTables(db, slog.New(slog.DiscardHandler))
+	w, err := newWriteTables(db, tables.LocalNode{NodeName: "node-a"}, slog.New(slog.DiscardHandler))
 	must(t, err)
 	return &folder{t: t, dir: t.TempDir(), w: w, logs: &syncbuf.Buffer{}}
 }

@@ -27,7 +27,7 @@ import (
 
 // podReflection is the pods reflection of a k8s source, on lw.
 func podReflection(t *testing.T, db *statedb.DB, lw *cache.ListWatch, logs *syncbuf.Buffer) (*reflection[*tables.Pod], *writeTables) {
-	w, err := newWriteTables(db, slog.New(slog.DiscardHandler))
+	w, err := newWriteTables(db, tables.LocalNode{NodeName: "node-a"}, slog.New(slog.DiscardHandler))
 	must(t, err)
 	r := &reflection[*tables.Pod]{
 		name: "k8s/pods", expected: &corev1.Pod{}, tables: w, table: w.Pods, kick: make(chan struct{}, 1),
