@@ -16,6 +16,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/metrics"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
@@ -46,6 +47,7 @@ var Cell = cell.Group(
 	enrollment.Cell, // enrollments: who is in, and why
 	steering.Cell,   // --redirect-mode: which of the two modes below steers enrolled pods
 	redirect.Cell,   // l2 mode: redirects and attachments, enrolled pods' TCP steered to the mTLS agent in the kernel
+	inpod.Cell,      // inpod mode: redirection inside each enrolled pod, which ZDS hands to ztunnel
 	readiness.Cell,  // ready-annotations: local pods whose redirection is in place, published on them
 	api.Cell,        // local API and read-only shell: table dumps, health, metrics
 	grpcserver.Cell, // TLS gRPC listener for the mTLS agent, caller authentication
