@@ -26,16 +26,16 @@ import (
 type handlerParams struct {
 	cell.In
 
-	Log         *slog.Logger
-	DB          *statedb.DB
-	Enrollment  enrollment.Config
-	Pods        statedb.Table[*tables.Pod]
-	Namespaces  statedb.Table[*tables.Namespace]
-	Policies    statedb.Table[*tables.Policy]
-	Endpoints   statedb.Table[*tables.Endpoint]
-	CNIPods     statedb.RWTable[*tables.CNIPod]
-	Store       *store
-	Metrics     *metrics
+	Log        *slog.Logger
+	DB         *statedb.DB
+	Enrollment enrollment.Config
+	Pods       statedb.Table[*tables.Pod]
+	Namespaces statedb.Table[*tables.Namespace]
+	Policies   statedb.Table[*tables.Policy]
+	Endpoints  statedb.Table[*tables.Endpoint]
+	CNIPods    statedb.RWTable[*tables.CNIPod]
+	Store      *store
+	Metrics    *metrics
 	// Modes: the active one says whether an enrolled pod is steered.
 	Modes steering.Modes
 }
