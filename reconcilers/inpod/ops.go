@@ -90,8 +90,10 @@ type reconcilerParams struct {
 
 const (
 	// pruneInterval bounds how long a redirection no enrolled pod asks
-	// for (left by a failed delete, or by hand) survives.
-	pruneInterval = 5 * time.Minute
+	// for (left by a failed delete, or by hand) survives: such a pod's
+	// connections are refused. A prune opens each namespace of the node's
+	// CNI reports and lists its nftables tables: cheap.
+	pruneInterval = time.Minute
 	// refreshInterval bounds how long a redirection altered in a pod
 	// (a rule deleted by hand) stays altered; the bypass check shows it
 	// meanwhile.
