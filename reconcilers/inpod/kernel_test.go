@@ -206,8 +206,8 @@ func inpodCheck(p *netnstest.Pod) ([]string, error) {
 	return inpod.NetlinkTargetForTests().Check("/var/run/netns/"+p.NS.Name, []netip.Addr{p.IP4, p.IP6})
 }
 
-// netnsZtunnel opens a listener on 15001 in each namespace it is handed,
-// as ztunnel does, answering "ztunnel-UID".
+// netnsZtunnel opens listeners on ztunnel's ports in each namespace it is
+// handed, as ztunnel does, answering "ztunnel-UID".
 type netnsZtunnel struct {
 	mu        sync.Mutex
 	listeners map[string][]net.Listener
@@ -221,7 +221,7 @@ func (z *netnsZtunnel) Add(uid string, _ *zdsapi.WorkloadInfo, f *os.File) error
 		return nil
 	}
 	var ls []net.Listener
-	for _, addr := range []string{"0.0.0.0:15001", "[::]:15001"} {
+	for _, addr := range []string{"0.0.0.0:15001", "[::]:15001", "0.0.0.0:15006", "[::]:15006", "0.0.0.0:15008", "[::]:15008"} {
 		l, err := listenIn(netns.NsHandle(f.Fd()), addr)
 		if err != nil {
 			return err

@@ -419,6 +419,47 @@ func checkRules(h netns.NsHandle, fam families) ([]string, error) {
 	return gaps, nil
 }
 
+// GapNoListener: ztunnel holds no listener on one of its ports in the pod
+// (ztunnel's word over ZDS aside, the pod's connections would be refused).
+const GapNoListener = "no ztunnel listener in the pod on port"
+
+// checkListeners looks for a listening TCP socket on each of ztunnel's
+// ports in the namespace (sock_diag; either family).
+func checkListeners(h netns.NsHandle) ([]string, error) {
+	// The diag socket must be opened in the namespace: a handle opens only
+	// the families it is given there.
+	nl, err := netlink.NewHandleAt(h, unix.NETLINK_INET_DIAG)
+	if err != nil {
+		return nil, err
+	}
+	defer nl.Close()
+	listening := map[uint16]bool{}
+	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
+		socks, err := nl.SocketDiagTCP(family)
+		if err != nil {
+			if family == unix.AF_INET6 {
+				continue // IPv6 disabled
+			}
+			return nil, err
+		}
+		for _, s := range socks {
+			if s.State == tcpListen {
+				listening[s.ID.SourcePort] = true
+			}
+		}
+	}
+	var gaps []string
+	for _, port := range []uint16{OutboundPort, InboundPlainPort, HBONEPort} {
+		if !listening[port] {
+			gaps = append(gaps, fmt.Sprintf("%s %d", GapNoListener, port))
+		}
+	}
+	return gaps, nil
+}
+
+// tcpListen is TCP_LISTEN of the kernel's TCP states.
+const tcpListen = 10
+
 // diffTable compares the table's chains and rules with ruleset(), by the
 // netlink encoding of each rule's expressions.
 func diffTable(conn *nftables.Conn, table *nftables.Table) []string {

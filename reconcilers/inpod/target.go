@@ -24,7 +24,7 @@ type Target interface {
 	// namespace at path; false when it cannot be opened.
 	Present(path string) bool
 	// Check reads the namespace now and returns how it differs from what
-	// Apply writes for ips.
+	// Apply writes for ips, and which of ztunnel's listeners are missing.
 	Check(path string, ips []netip.Addr) ([]string, error)
 	// Open opens the namespace to hand it to ztunnel (checked to hold ips).
 	// Possible errors: one wrapping os.ErrNotExist when it is gone.
@@ -59,8 +59,13 @@ func (netlinkTarget) Present(path string) bool {
 
 func (netlinkTarget) Check(path string, ips []netip.Addr) ([]string, error) {
 	var gaps []string
-	err := inPodNetns(path, ips, func(h netns.NsHandle) (err error) {
-		gaps, err = checkRules(h, familiesOf(ips))
+	err := inPodNetns(path, ips, func(h netns.NsHandle) error {
+		rules, err := checkRules(h, familiesOf(ips))
+		if err != nil {
+			return err
+		}
+		listeners, err := checkListeners(h)
+		gaps = append(rules, listeners...)
 		return err
 	})
 	return gaps, err
