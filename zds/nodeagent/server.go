@@ -65,6 +65,8 @@ type Params struct {
 	// Timeout bounds the hello and each acknowledgement; 0 is
 	// RequestTimeout.
 	Timeout time.Duration
+	// Metrics, if set, count requests and connections.
+	Metrics *Metrics
 }
 
 // Server is the node agent's side of ZDS: it keeps every connected
@@ -85,6 +87,9 @@ type Server struct {
 func NewServer(p Params) *Server {
 	if p.Timeout == 0 {
 		p.Timeout = RequestTimeout
+	}
+	if p.Metrics == nil {
+		p.Metrics, _ = NewMetrics(nil)
 	}
 	return &Server{Params: p, live: map[uint64]bool{}, newestChanged: make(chan struct{})}
 }
@@ -376,7 +381,28 @@ func (s *Server) write(c *conn, w *Workload, state, reason string) {
 }
 
 func (s *Server) request(c *conn, req *zdsapi.WorkloadRequest, f *os.File) error {
-	return c.c.Request(req, f, time.Now().Add(s.Timeout))
+	err := c.c.Request(req, f, time.Now().Add(s.Timeout))
+	outcome := "acked"
+	switch {
+	case isNack(err):
+		outcome = "nacked"
+	case err != nil:
+		outcome = "failed"
+	}
+	s.Metrics.Requests.WithLabelValues(requestType(req), outcome).Inc()
+	return err
+}
+
+func requestType(req *zdsapi.WorkloadRequest) string {
+	switch req.GetPayload().(type) {
+	case *zdsapi.WorkloadRequest_Add:
+		return "add"
+	case *zdsapi.WorkloadRequest_Keep:
+		return "keep"
+	case *zdsapi.WorkloadRequest_Del:
+		return "del"
+	}
+	return "snapshot_sent"
 }
 
 // register makes c the newest connection.
@@ -386,6 +412,7 @@ func (s *Server) register(c *conn) {
 	s.nextID++
 	c.id = s.nextID
 	s.live[c.id] = true
+	s.Metrics.Connections.Set(float64(len(s.live)))
 	s.setNewestLocked(c.id)
 	wtxn := s.DB.WriteTxn(s.Conns)
 	s.Conns.Insert(wtxn, &Connection{ID: c.id, Since: time.Now()})
@@ -399,6 +426,7 @@ func (s *Server) unregister(c *conn) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	delete(s.live, c.id)
+	s.Metrics.Connections.Set(float64(len(s.live)))
 	if s.newest == c.id {
 		var last uint64
 		for id := range s.live {
