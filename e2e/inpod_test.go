@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"net/netip"
+	"os"
 	"slices"
 	"sync"
 	"testing"
@@ -44,6 +45,12 @@ func runInPodChecks(t *testing.T, b *bed) {
 		for _, pod := range []*bedPod{p.a1, p.a2, p.b1} {
 			if err := inPodInPlace(pod); err != nil {
 				t.Error(err)
+			}
+		}
+		// The l2 datapath contributes nothing: nothing pinned on bpffs.
+		for _, n := range b.nodes {
+			if pins, _ := os.ReadDir(n.bpfRoot); len(pins) > 0 {
+				t.Errorf("%s's agent pinned %d objects under %s in the in-pod mode", n.name, len(pins), n.bpfRoot)
 			}
 		}
 		for _, pod := range []*bedPod{p.aplain, p.a3, p.bplain} {
