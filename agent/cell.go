@@ -16,8 +16,10 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/metrics"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
 	"github.com/mtlsbridge/mtlsbridge/tables"
@@ -43,7 +45,9 @@ var Cell = cell.Group(
 	tables.Cell,     // identity of this node
 	ingest.Cell,     // Kubernetes or manifest folder into tables
 	enrollment.Cell, // enrollments: who is in, and why
-	redirect.Cell,   // redirects and attachments: enrolled pods' TCP steered to the mTLS agent in the kernel
+	steering.Cell,   // --redirect-mode: which of the two modes below steers enrolled pods
+	redirect.Cell,   // l2 mode: redirects and attachments, enrolled pods' TCP steered to the mTLS agent in the kernel
+	inpod.Cell,      // inpod mode: redirection inside each enrolled pod, which ZDS hands to ztunnel
 	readiness.Cell,  // ready-annotations: local pods whose redirection is in place, published on them
 	api.Cell,        // local API and read-only shell: table dumps, health, metrics
 	grpcserver.Cell, // TLS gRPC listener for the mTLS agent, caller authentication

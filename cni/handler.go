@@ -3,8 +3,8 @@
 package cni
 
 import (
+	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -19,26 +19,25 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 type handlerParams struct {
 	cell.In
 
-	Log         *slog.Logger
-	DB          *statedb.DB
-	Enrollment  enrollment.Config
-	Datapath    redirect.Datapath
-	Pods        statedb.Table[*tables.Pod]
-	Namespaces  statedb.Table[*tables.Namespace]
-	Policies    statedb.Table[*tables.Policy]
-	Endpoints   statedb.Table[*tables.Endpoint]
-	Redirects   statedb.Table[*redirect.Redirect]
-	Attachments statedb.Table[*redirect.Attachment]
-	CNIPods     statedb.RWTable[*tables.CNIPod]
-	Store       *store
-	Metrics     *metrics
+	Log        *slog.Logger
+	DB         *statedb.DB
+	Enrollment enrollment.Config
+	Pods       statedb.Table[*tables.Pod]
+	Namespaces statedb.Table[*tables.Namespace]
+	Policies   statedb.Table[*tables.Policy]
+	Endpoints  statedb.Table[*tables.Endpoint]
+	CNIPods    statedb.RWTable[*tables.CNIPod]
+	Store      *store
+	Metrics    *metrics
+	// Modes: the active one says whether an enrolled pod is steered.
+	Modes steering.Modes
 }
 
 type handlersOut struct {
@@ -48,15 +47,22 @@ type handlersOut struct {
 	Forget api.Handler `group:"api-handlers"`
 }
 
-func newHandlers(p handlerParams) handlersOut {
-	h := &handler{p}
+func newHandlers(p handlerParams) (handlersOut, error) {
+	mode, err := p.Modes.Active()
+	if err != nil {
+		return handlersOut{}, fmt.Errorf("cni: %w", err)
+	}
+	h := &handler{p, mode}
 	return handlersOut{
 		Ask:    api.Handler{Pattern: "POST " + plugin.PodPathPrefix + "{namespace}/{name}", Handler: http.HandlerFunc(h.ask)},
 		Forget: api.Handler{Pattern: "DELETE " + plugin.ContainerPathPrefix + "{id}", Handler: http.HandlerFunc(h.forget)},
-	}
+	}, nil
 }
 
-type handler struct{ handlerParams }
+type handler struct {
+	handlerParams
+	mode steering.Mode
+}
 
 // ask answers the plugin's question for one container of a pod, holding
 // the answer (up to ?wait=) until it is final. The row of the container in
@@ -89,14 +95,13 @@ func (h *handler) ask(w http.ResponseWriter, r *http.Request) {
 		wait = min(d, plugin.MaxWait)
 	}
 	start := time.Now()
-	timeout := time.NewTimer(wait)
-	defer timeout.Stop()
+	ctx, cancel := context.WithTimeout(r.Context(), wait)
+	defer cancel()
 
 	var ans plugin.Answer
 	first := true
-wait:
 	for {
-		var watches watches
+		var watches *statedb.WatchSet
 		ans, watches = h.decide(key, req)
 		if first && !ans.Final() {
 			h.record(key, req, ans) // operators see who is waiting
@@ -105,16 +110,11 @@ wait:
 		if ans.Final() {
 			break
 		}
-		select {
-		case <-r.Context().Done():
-			return
-		case <-timeout.C:
-			break wait
-		case <-watches.pod:
-		case <-watches.namespaces:
-		case <-watches.policies:
-		case <-watches.redirects:
-		case <-watches.attachments:
+		if _, err := watches.Wait(ctx, 0); err != nil {
+			if r.Context().Err() != nil {
+				return // the plugin went away
+			}
+			break // waited long enough: the answer is the last one
 		}
 	}
 	h.record(key, req, ans)
@@ -126,23 +126,20 @@ wait:
 	json.NewEncoder(w).Encode(ans)
 }
 
-// watches close when an answer may change; nil ones never do.
-type watches struct{ pod, namespaces, policies, redirects, attachments <-chan struct{} }
-
 // decide computes the answer in one snapshot and returns what to watch for
 // a change of it.
-func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, watches) {
+func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, *statedb.WatchSet) {
 	txn := h.DB.ReadTxn()
-	var w watches
+	w := statedb.NewWatchSet()
 	pod, _, podWatch, found := h.Pods.GetWatch(txn, tables.PodByKey(key))
-	w.pod = podWatch
+	w.Add(podWatch)
 	if !found || (req.PodUID != "" && pod.UID != "" && pod.UID != req.PodUID) {
 		return plugin.Answer{}, w // not in the API yet, or only its namesake
 	}
-	_, w.namespaces = h.Namespaces.AllWatch(txn)
-	_, w.policies = h.Policies.AllWatch(txn)
-	_, w.redirects = h.Redirects.AllWatch(txn)
-	_, w.attachments = h.Attachments.AllWatch(txn)
+	_, namespaces := h.Namespaces.AllWatch(txn)
+	_, policies := h.Policies.AllWatch(txn)
+	w.Add(namespaces, policies)
+	w.Add(h.mode.Watch(txn)...)
 
 	// Decide on the sandbox being added: its addresses are not in the API
 	// yet, or belong to the sandbox it replaces.
@@ -152,14 +149,15 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, watches
 	}
 	e := enrollment.Decide(h.Enrollment, txn, h.Namespaces, h.Policies, h.Endpoints, &asReported)
 	ans := plugin.Answer{Known: true, Enrolled: e.Enrolled, Reason: e.Reason}
-	switch {
-	case !e.Enrolled:
+	if !e.Enrolled {
 		ans.Redirect = plugin.RedirectNotNeeded
-	case errors.Is(h.Datapath.Err(), redirect.ErrDisabled):
-		ans.Redirect, ans.Detail = plugin.RedirectPending, redirect.ErrDisabled.Error()
-	case redirect.SteeringOf(txn, h.Redirects, h.Attachments, key, asReported.IPs) != redirect.Steered:
-		ans.Redirect, ans.Detail = plugin.RedirectPending, "the redirects and attachments of the reported addresses are not all done"
-	default:
+		return ans, w
+	}
+	// The active mode's own words: in l2 mode the datapath's rows, in
+	// in-pod mode the rules in the pod and ztunnel's acknowledgement.
+	if state, detail := h.mode.Steering(txn, key, asReported.IPs); state != steering.Steered {
+		ans.Redirect, ans.Detail = plugin.RedirectPending, detail
+	} else {
 		ans.Redirect = plugin.RedirectReady
 	}
 	return ans, w

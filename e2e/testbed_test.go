@@ -64,7 +64,10 @@ type bed struct {
 	bin     string
 	caDir   string
 	cluster cluster
-	nodes   [2]*bedNode
+	// inPod runs the agents with --redirect-mode=inpod and the proxies as
+	// ztunnel in its in-pod mode (inpod_test.go).
+	inPod bool
+	nodes [2]*bedNode
 	// underlay records node-a's uplink: everything between the nodes.
 	underlay *netnstest.Capture
 }
@@ -83,6 +86,9 @@ type bedNode struct {
 	tokenPath string
 	// grpc is the agent's listener on the node's address.
 	grpc string
+	// zdsSocket is where the proxy meets the agent in the in-pod mode
+	// (ztunnel's INPOD_UDS, a host folder both mount).
+	zdsSocket string
 
 	mu           sync.Mutex
 	agent, proxy *proc
@@ -127,9 +133,12 @@ type proc struct {
 
 // newBed brings the testbed up: nodes, CA, cluster state, agents, proxy
 // pods through CNI, proxies ready, and a capture on the underlay.
-func newBed(t testing.TB, c cluster) *bed {
+func newBed(t testing.TB, c cluster) *bed { return newBedMode(t, c, false) }
+
+// newBedMode is newBed in the l2 or (inPod) the in-pod mode.
+func newBedMode(t testing.TB, c cluster, inPod bool) *bed {
 	netnstest.RequirePrivileged(t)
-	b := &bed{t: t, bin: cnitest.Binaries(t), cluster: c}
+	b := &bed{t: t, bin: cnitest.Binaries(t), cluster: c, inPod: inPod}
 	b.caDir = t.TempDir()
 	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", 24*time.Hour)
 	must(t, err)
@@ -144,7 +153,8 @@ func newBed(t testing.TB, c cluster) *bed {
 		t.Cleanup(func() { os.RemoveAll(stateDir) })
 		n := &bedNode{bed: b, name: "node-" + string(rune('a'+i)), index: i + 1, ns: ns, stateDir: stateDir,
 			bpfRoot: filepath.Join(bpf, "node-"+string(rune('a'+i))), grpc: netip.AddrPortFrom(ns.Addr4, 15012).String(),
-			nextAddr: 20}
+			nextAddr: 20, zdsSocket: filepath.Join(stateDir+"-zds", "ztunnel.sock")}
+		t.Cleanup(func() { os.RemoveAll(stateDir + "-zds") })
 		n.runtime = cnitest.NewRuntime(t, ns.NS, b.bin, func(sb cnitest.Sandbox) []byte {
 			return fmt.Appendf(nil, `{"cniVersion": "1.0.0", "name": "node", "plugins": [
   {"type": "ptp", "ipMasq": false, "mtu": 1500,
@@ -225,6 +235,9 @@ func (n *bedNode) startAgent() {
 		"--node-name=" + n.name, "--state-dir=" + n.stateDir, "--bpf-root=" + n.bpfRoot,
 		"--devices=" + netnstest.UplinkName, "--grpc-listen=" + n.grpc, "--ca-dir=" + n.bed.caDir,
 		"--bypass-check-interval=1s"}, n.bed.cluster.agentArgs(n)...)
+	if n.bed.inPod {
+		args = append(args, "--redirect-mode=inpod", "--zds-socket="+n.zdsSocket)
+	}
 	n.agent = n.bed.start(n.ns.Name, filepath.Join(n.stateDir, "agent.log"), os.Environ(), args...)
 }
 
@@ -254,6 +267,9 @@ func (n *bedNode) startProxy() {
 		proxy.EnvNodeName + "=" + n.name,
 		proxy.EnvInstanceIP + "=" + n.proxyPod.ip4.String(),
 		proxy.EnvClusterID + "=Kubernetes",
+	}
+	if n.bed.inPod {
+		env = append(env, proxy.EnvInPodUDS+"="+n.zdsSocket)
 	}
 	n.proxy = n.bed.start(n.proxyPod.ns.Name, filepath.Join(n.stateDir, "proxy.log"), env,
 		filepath.Join(n.bed.bin, "mtlsbridge-proxy"))

@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -30,6 +31,10 @@ const (
 	EnvTrustDomain  = "TRUST_DOMAIN"  // of peer certificates; default cluster.local
 	EnvClusterID    = "CLUSTER_ID"    // sent as gRPC metadata clusterid and node metadata
 	EnvInstanceIP   = "INSTANCE_IP"   // the proxy pod's address, in its xDS node id
+	// EnvInPodUDS is ztunnel's in-pod socket: when set, the proxy runs in
+	// the in-pod mode, as ztunnel does (ZDS client, listeners inside each
+	// pod's namespace), instead of the l2 mode's capture.
+	EnvInPodUDS = "INPOD_UDS"
 	// EnvMetaPrefix: ISTIO_META_NAME=VALUE becomes node metadata NAME.
 	EnvMetaPrefix = "ISTIO_META_"
 
@@ -77,6 +82,9 @@ type Config struct {
 
 	Capture     bool
 	IdleTimeout time.Duration
+	// InPodUDS, when set, selects the in-pod mode: the node agent's ZDS
+	// socket. Capture and the loopback listeners are then not used.
+	InPodUDS string
 
 	// Listen addresses; the defaults are ztunnel's ports. The outbound and
 	// HBONE listeners are on loopback: only TPROXY reaches them.
@@ -169,6 +177,7 @@ func ConfigFromEnv(getenv func(string) string, environ []string) (Config, error)
 		TrustDomain:         orDefault(getenv(EnvTrustDomain), spiffe.DefaultTrustDomain),
 		ClusterID:           orDefault(getenv("ISTIO_META_CLUSTER_ID"), orDefault(getenv(EnvClusterID), DefaultClusterID)),
 		InstanceIP:          getenv(EnvInstanceIP),
+		InPodUDS:            getenv(EnvInPodUDS),
 		Metadata:            map[string]string{},
 		Capture:             true,
 		IdleTimeout:         DefaultIdleTimeout,
@@ -214,6 +223,9 @@ func (c *Config) Validate() error {
 	}
 	if err := spiffe.ValidateTrustDomain(c.TrustDomain); err != nil {
 		return fmt.Errorf("%w: %s=%q: %v", ErrConfig, EnvTrustDomain, c.TrustDomain, err)
+	}
+	if c.InPodUDS != "" && !filepath.IsAbs(c.InPodUDS) {
+		return fmt.Errorf("%w: %s=%q: want an absolute path", ErrConfig, EnvInPodUDS, c.InPodUDS)
 	}
 	if c.InstanceIP != "" {
 		if _, err := netip.ParseAddr(c.InstanceIP); err != nil {

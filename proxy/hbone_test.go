@@ -153,7 +153,7 @@ func (h *hbonePair) connect(t testing.TB, dst netip.AddrPort) net.Conn {
 	accepted, err := l.Accept()
 	must(t, err)
 	src := addrPort(pod.LocalAddr())
-	go h.a.outboundHBONE(context.Background(), accepted.(*net.TCPConn), src, dst, h.a.state.ByIP(src.Addr()), h.a.state.ByIP(dst.Addr()))
+	go h.a.outboundHBONE(context.Background(), accepted.(*net.TCPConn), src, dst, h.a.state.ByIP(src.Addr()), h.a.state.ByIP(dst.Addr()), dialFrom)
 	pod.SetDeadline(time.Now().Add(5 * time.Second))
 	return pod
 }

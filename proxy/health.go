@@ -80,6 +80,13 @@ func (p *Proxy) readyHandler(w http.ResponseWriter, _ *http.Request) {
 	default:
 		missing = append(missing, "xDS not synced")
 	}
+	if p.inpod != nil {
+		select {
+		case <-p.inpod.snapshot:
+		default:
+			missing = append(missing, "no ZDS snapshot from the node agent")
+		}
+	}
 	held := map[string]bool{}
 	for _, id := range p.certs.Identities() {
 		held[id] = true
@@ -99,6 +106,16 @@ type ConfigDump struct {
 	Workloads      []*Workload          `json:"workloads"`
 	Authorizations []string             `json:"authorizations"`
 	Certificates   []CertificateSummary `json:"certificates"`
+	// Pods are the pods served in their namespace (in-pod mode).
+	Pods []InPodSummary `json:"pods,omitempty"`
+}
+
+// InPodSummary is a pod the node agent handed over ZDS.
+type InPodSummary struct {
+	UID            string `json:"uid"`
+	Namespace      string `json:"namespace"`
+	Name           string `json:"name"`
+	ServiceAccount string `json:"serviceAccount"`
 }
 
 // CertificateSummary describes a held certificate (never its key).
@@ -115,6 +132,9 @@ func (p *Proxy) configDump(w http.ResponseWriter, _ *http.Request) {
 		if c := p.certs.Get(id); c != nil {
 			d.Certificates = append(d.Certificates, CertificateSummary{Identity: id, Serial: c.Leaf.SerialNumber.Text(16), NotAfter: c.Leaf.NotAfter})
 		}
+	}
+	if p.inpod != nil {
+		d.Pods = p.inpod.summary()
 	}
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)

@@ -22,6 +22,12 @@ import (
 // domain. Each CONNECT is then checked (serveConnect) before plain TCP
 // goes to the pod from the source pod's address.
 func (p *Proxy) handleInbound(ctx context.Context, conn *net.TCPConn) {
+	p.inbound(ctx, conn, dialFrom)
+}
+
+// inbound serves an HBONE connection; dial connects to the pod in the
+// source's name.
+func (p *Proxy) inbound(ctx context.Context, conn *net.TCPConn, dial dialer) {
 	local, peer := addrPort(conn.LocalAddr()), addrPort(conn.RemoteAddr())
 	dstW := p.state.LocalByIP(local.Addr())
 	if dstW == nil {
@@ -60,7 +66,7 @@ func (p *Proxy) handleInbound(ctx context.Context, conn *net.TCPConn) {
 		Context:    ctx,
 		BaseConfig: &http.Server{MaxHeaderBytes: maxHeaderBytes},
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			p.serveConnect(ctx, w, r, dstW, proved, peer)
+			p.serveConnect(ctx, w, r, dstW, proved, peer, dial)
 		}),
 	})
 }
@@ -72,7 +78,7 @@ func (p *Proxy) handleInbound(ctx context.Context, conn *net.TCPConn) {
 // a mesh peer cannot borrow another pod's address; the Authorization
 // policies allow it. Then plain TCP goes to the pod, from that source
 // address: the pod, and Cilium's ingress policy, see the real peer.
-func (p *Proxy) serveConnect(ctx context.Context, w http.ResponseWriter, r *http.Request, dstW *Workload, srcID string, peer netip.AddrPort) {
+func (p *Proxy) serveConnect(ctx context.Context, w http.ResponseWriter, r *http.Request, dstW *Workload, srcID string, peer netip.AddrPort, dial dialer) {
 	target, err := netip.ParseAddrPort(r.Host)
 	target = netip.AddrPortFrom(target.Addr().Unmap(), target.Port())
 	refuse := func(code int, reason string, err error) {
@@ -104,7 +110,7 @@ func (p *Proxy) serveConnect(ctx context.Context, w http.ResponseWriter, r *http
 		refuse(http.StatusForbidden, "denied", fmt.Errorf("%w: %s", ErrDenied, orNone(d.Policy)))
 		return
 	}
-	up, err := dialFrom(r.Context(), peer.Addr(), target)
+	up, err := dial(r.Context(), peer.Addr(), target)
 	if err != nil {
 		refuse(http.StatusServiceUnavailable, "connect-failed", err)
 		return

@@ -6,7 +6,7 @@ import "github.com/prometheus/client_golang/prometheus"
 
 // Label values of the connection metrics.
 const (
-	DirectionInbound  = "inbound"  // accepted on 15008 from a peer proxy
+	DirectionInbound  = "inbound"  // accepted on 15008 from a peer proxy (in-pod: also 15006, plain)
 	DirectionOutbound = "outbound" // captured from a local pod on 15001
 	ProtocolHBONE     = "hbone"
 	ProtocolPlain     = "plain"
@@ -40,6 +40,11 @@ type Metrics struct {
 
 	CertificatesHeld prometheus.Gauge
 	CertRequests     *prometheus.CounterVec
+
+	// In-pod mode: ZDS connections made, and pods served (listeners open
+	// in their namespace).
+	ZDSConnects prometheus.Counter
+	InPodPods   prometheus.Gauge
 }
 
 // NewMetrics creates the metrics and registers them with reg.
@@ -102,9 +107,17 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "mtlsbridge_proxy_certificate_requests_total",
 			Help: "CreateCertificate calls, by result (issued, refused, bad-chain, error)",
 		}, []string{"result"}),
+		ZDSConnects: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mtlsbridge_proxy_zds_connects_total",
+			Help: "In-pod mode: ZDS connections to the node agent (the first and every reconnection)",
+		}),
+		InPodPods: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "mtlsbridge_proxy_inpod_pods",
+			Help: "In-pod mode: pods served, with listeners in their network namespace",
+		}),
 	}
 	reg.MustRegister(m.ConnectionsOpened, m.ConnectionsClosed, m.SentBytes, m.ReceivedBytes, m.Refused,
 		m.HandshakeFailures, m.TunnelsDialed, m.XDSConnects, m.XDSResponses, m.XDSNACKs, m.Workloads, m.Policies,
-		m.CertificatesHeld, m.CertRequests)
+		m.CertificatesHeld, m.CertRequests, m.ZDSConnects, m.InPodPods)
 	return m
 }

@@ -6,6 +6,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 
@@ -23,10 +24,24 @@ import (
 // certificate, a handshake, the right peer identity or a 200 answer, the
 // pod's connection is reset.
 func (p *Proxy) handleOutbound(ctx context.Context, conn *net.TCPConn) {
-	src, dst := addrPort(conn.RemoteAddr()), addrPort(conn.LocalAddr())
+	p.outbound(ctx, conn, addrPort(conn.RemoteAddr()), addrPort(conn.LocalAddr()), nil, dialFrom)
+}
+
+// outbound serves a connection from src to dst; dial connects in the
+// pod's name. In-pod, pod is the pod whose namespace the connection came
+// from: the source workload must be that pod (a pod that took another's
+// address gets no certificate of the other).
+func (p *Proxy) outbound(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, pod *inPodPod, dial dialer) {
 	srcW := p.state.LocalByIP(src.Addr())
 	if srcW == nil {
 		p.refuse(DirectionOutbound, "unknown-source", src, dst, "", "", ErrUnknownSource)
+		reset(conn)
+		return
+	}
+	if pod != nil && (srcW.Name != pod.info.GetName() || srcW.Namespace != pod.info.GetNamespace()) {
+		p.refuse(DirectionOutbound, "source-mismatch", src, dst, srcW.Identity, "",
+			fmt.Errorf("%w: %s is %s/%s's address, the connection comes from %s/%s's namespace", ErrUnknownSource,
+				src.Addr(), srcW.Namespace, srcW.Name, pod.info.GetNamespace(), pod.info.GetName()))
 		reset(conn)
 		return
 	}
@@ -37,13 +52,13 @@ func (p *Proxy) handleOutbound(ctx context.Context, conn *net.TCPConn) {
 	}
 	dstW := p.state.ByIP(dst.Addr())
 	if dstW != nil && dstW.HBONE && dstW.Node != p.cfg.NodeName {
-		p.outboundHBONE(ctx, conn, src, dst, srcW, dstW)
+		p.outboundHBONE(ctx, conn, src, dst, srcW, dstW, dial)
 		return
 	}
-	p.outboundPlain(ctx, conn, src, dst, srcW)
+	p.outboundPlain(ctx, conn, src, dst, srcW, dial)
 }
 
-func (p *Proxy) outboundHBONE(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW, dstW *Workload) {
+func (p *Proxy) outboundHBONE(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW, dstW *Workload, dial dialer) {
 	refuse := func(reason string, err error) {
 		p.refuse(DirectionOutbound, reason, src, dst, srcW.Identity, dstW.Identity, err)
 		reset(conn)
@@ -68,7 +83,7 @@ func (p *Proxy) outboundHBONE(ctx context.Context, conn *net.TCPConn, src, dst n
 	}
 	if stream == nil && err == nil {
 		var ok bool
-		if c, ok = p.dialTunnel(ctx, conn, src, dst, srcW, dstW, cert); !ok {
+		if c, ok = p.dialTunnel(ctx, conn, src, dst, srcW, dstW, cert, dial); !ok {
 			return
 		}
 		p.pool.add(key, c)
@@ -87,11 +102,11 @@ func (p *Proxy) outboundHBONE(ctx context.Context, conn *net.TCPConn, src, dst n
 // from the source pod's address to the destination's port 15008, then TLS
 // 1.3 where the peer must prove dstW's identity. A failure is refused
 // (the pod's connection reset, logged with both identities, counted).
-func (p *Proxy) dialTunnel(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW, dstW *Workload, cert *tls.Certificate) (pooledConn, bool) {
+func (p *Proxy) dialTunnel(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW, dstW *Workload, cert *tls.Certificate, dial dialer) (pooledConn, bool) {
 	// The tunnel leaves from the pod's address, as ztunnel's does from
 	// inside the pod: the peer proxy sees the pod as the source, and
 	// Cilium's policy at the destination node sees the pod's identity.
-	tcp, err := dialFrom(ctx, src.Addr(), netip.AddrPortFrom(dst.Addr(), p.peerHBONEPort))
+	tcp, err := dial(ctx, src.Addr(), netip.AddrPortFrom(dst.Addr(), p.peerHBONEPort))
 	if err != nil {
 		p.refuse(DirectionOutbound, "connect-failed", src, dst, srcW.Identity, dstW.Identity, err)
 		reset(conn)
@@ -120,8 +135,8 @@ func (p *Proxy) dialTunnel(ctx context.Context, conn *net.TCPConn, src, dst neti
 	return pooledConn{cc: cc, proved: proved}, true
 }
 
-func (p *Proxy) outboundPlain(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW *Workload) {
-	up, err := dialFrom(ctx, src.Addr(), dst)
+func (p *Proxy) outboundPlain(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, srcW *Workload, dial dialer) {
+	up, err := dial(ctx, src.Addr(), dst)
 	if err != nil {
 		p.refuse(DirectionOutbound, "connect-failed", src, dst, srcW.Identity, "", err)
 		reset(conn)

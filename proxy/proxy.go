@@ -17,6 +17,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"golang.org/x/net/http2"
+
+	"github.com/mtlsbridge/mtlsbridge/zds"
 )
 
 // maxConnections bounds the connections held per direction; beyond it new
@@ -33,6 +35,8 @@ type Proxy struct {
 	state *State
 	xds   *XDS
 	certs *Certificates
+	// inpod serves the pods' namespaces in the in-pod mode; nil otherwise.
+	inpod *inPod
 
 	transport *http2.Transport
 	pool      *tunnelPool
@@ -115,13 +119,17 @@ func (p *Proxy) Run(ctx context.Context) error {
 		}
 		return out, nil
 	}
-	outbound, err := open(p.cfg.OutboundListen)
-	if err != nil {
-		return err
-	}
-	inbound, err := open(p.cfg.HBONEListen)
-	if err != nil {
-		return err
+	// In-pod mode: the listeners are in the pods' namespaces, opened as
+	// ZDS hands them over; nothing is captured here.
+	var outbound, inbound []net.Listener
+	var err error
+	if p.cfg.InPodUDS == "" {
+		if outbound, err = open(p.cfg.OutboundListen); err != nil {
+			return err
+		}
+		if inbound, err = open(p.cfg.HBONEListen); err != nil {
+			return err
+		}
 	}
 	health, err := p.serveHealth(ctx)
 	if err != nil {
@@ -129,7 +137,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	}
 	defer health()
 
-	if p.cfg.Capture {
+	if p.cfg.Capture && p.cfg.InPodUDS == "" {
 		c, err := InstallCapture(CaptureOptions{})
 		if err != nil {
 			return fmt.Errorf("capture: %w", err)
@@ -149,6 +157,21 @@ func (p *Proxy) Run(ctx context.Context) error {
 	}
 	run(func() { p.xds.Run(ctx) })
 	run(func() { p.certs.Run(ctx) })
+	fatal := make(chan error, 1)
+	if p.cfg.InPodUDS != "" {
+		p.inpod = newInPod(ctx, p)
+		defer p.inpod.stopAll()
+		run(func() {
+			c := &zds.Client{Path: p.cfg.InPodUDS, Handler: p.inpod, Log: p.log, MaxBackoff: zdsMaxBackoff,
+				Connected: func(int) { p.metrics.ZDSConnects.Inc() }}
+			// As ztunnel: a node agent that breaks the protocol stops
+			// the proxy.
+			if err := c.Run(ctx); err != nil {
+				fatal <- err
+				cancel()
+			}
+		})
+	}
 	run(func() { p.watchReadiness(ctx) })
 	run(func() { p.sweepTunnels(ctx) })
 	for _, l := range outbound {
@@ -157,17 +180,35 @@ func (p *Proxy) Run(ctx context.Context) error {
 	for _, l := range inbound {
 		run(func() { p.accept(ctx, l, p.inboundSlots, DirectionInbound, p.handleInbound) })
 	}
-	p.log.Info("Proxy started", "node", p.cfg.NodeName, "xds", p.cfg.XDSAddress, "ca", p.cfg.CAAddress,
-		"outbound", p.cfg.OutboundListen, "hbone", p.cfg.HBONEListen, "capture", p.cfg.Capture)
+	if p.cfg.InPodUDS != "" {
+		p.log.Info("Proxy started in the in-pod mode", "node", p.cfg.NodeName, "xds", p.cfg.XDSAddress, "ca", p.cfg.CAAddress,
+			"zds", p.cfg.InPodUDS)
+	} else {
+		p.log.Info("Proxy started", "node", p.cfg.NodeName, "xds", p.cfg.XDSAddress, "ca", p.cfg.CAAddress,
+			"outbound", p.cfg.OutboundListen, "hbone", p.cfg.HBONEListen, "capture", p.cfg.Capture)
+	}
 	<-ctx.Done()
 	for _, l := range listeners {
 		l.Close()
 	}
+	if p.inpod != nil {
+		p.inpod.stopAll()
+	}
 	p.pool.closeAll()
 	wg.Wait()
 	p.log.Info("Proxy stopped")
-	return nil
+	select {
+	case err := <-fatal:
+		return fmt.Errorf("zds: %w", err)
+	default:
+		return nil
+	}
 }
+
+// zdsMaxBackoff bounds the wait between attempts to reach the node
+// agent's ZDS socket (ztunnel's: 15s): the reference agent comes back
+// within a second of a node agent restart.
+const zdsMaxBackoff = time.Second
 
 // accept serves a listener, one goroutine per connection, at most
 // maxConnections at a time per direction.
@@ -212,6 +253,14 @@ func (p *Proxy) watchReadiness(ctx context.Context) {
 	case <-ctx.Done():
 		return
 	case <-p.xds.Synced():
+	}
+	if p.inpod != nil {
+		// As ztunnel: ready once the node agent's snapshot is served.
+		select {
+		case <-ctx.Done():
+			return
+		case <-p.inpod.snapshot:
+		}
 	}
 	for {
 		certsChanged, stateChanged := p.certs.Changed(), p.state.Changed()

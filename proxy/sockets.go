@@ -4,11 +4,14 @@ package proxy
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -44,6 +47,11 @@ func listenTransparent(ctx context.Context, addr string) (net.Listener, error) {
 	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error { return setTransparent(c, ap.Addr().Is6()) }}
 	return lc.Listen(ctx, network, addr)
 }
+
+// dialer connects to dst in the name of src, a pod's address: dialFrom in
+// the proxy's own namespace (l2 mode), or from inside the pod's namespace
+// (in-pod mode).
+type dialer func(ctx context.Context, src netip.Addr, dst netip.AddrPort) (*net.TCPConn, error)
 
 // dialFrom connects to dst with src as source address (any free port),
 // though src is not an address of this namespace: the connection leaves in
@@ -102,4 +110,45 @@ func (s *tcpStream) waitReadable() error {
 		_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
 		return err != unix.EAGAIN && err != unix.EINTR
 	})
+}
+
+// originalDst reads the destination a REDIRECTed connection had
+// (SO_ORIGINAL_DST, IP6T_SO_ORIGINAL_DST: both 80).
+func originalDst(c *net.TCPConn) (netip.AddrPort, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	const soOriginalDst = 80
+	v6 := addrPort(c.LocalAddr()).Addr().Is6()
+	var out netip.AddrPort
+	var serr error
+	err = rc.Control(func(fd uintptr) {
+		if !v6 {
+			var sa unix.RawSockaddrInet4
+			l := uint32(unsafe.Sizeof(sa))
+			if _, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, unix.SOL_IP, soOriginalDst,
+				uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&l)), 0); e != 0 {
+				serr = fmt.Errorf("SO_ORIGINAL_DST: %w", e)
+				return
+			}
+			out = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), ntohs(sa.Port))
+			return
+		}
+		var sa unix.RawSockaddrInet6
+		l := uint32(unsafe.Sizeof(sa))
+		if _, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, unix.SOL_IPV6, soOriginalDst,
+			uintptr(unsafe.Pointer(&sa)), uintptr(unsafe.Pointer(&l)), 0); e != 0 {
+			serr = fmt.Errorf("IP6T_SO_ORIGINAL_DST: %w", e)
+			return
+		}
+		out = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), ntohs(sa.Port))
+	})
+	return out, errors.Join(err, serr)
+}
+
+// ntohs swaps a port from network order as read into a uint16.
+func ntohs(p uint16) uint16 {
+	b := (*[2]byte)(unsafe.Pointer(&p))
+	return binary.BigEndian.Uint16(b[:])
 }

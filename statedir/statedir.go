@@ -57,14 +57,19 @@ func Prepare(path string) error {
 // place. (Binding at path and then changing its mode would leave a moment
 // in which the umask decides who may connect.) Closing the listener
 // removes the socket.
-func ListenUnix(path string) (*net.UnixListener, error) {
+func ListenUnix(path string) (*net.UnixListener, error) { return listenUnix("unix", path) }
+
+// ListenUnixPacket is ListenUnix for a SOCK_SEQPACKET socket (ZDS).
+func ListenUnixPacket(path string) (*net.UnixListener, error) { return listenUnix("unixpacket", path) }
+
+func listenUnix(network, path string) (*net.UnixListener, error) {
 	tmpDir, err := os.MkdirTemp(filepath.Dir(path), ".sock-")
 	if err != nil {
 		return nil, err
 	}
 	defer os.RemoveAll(tmpDir)
 	tmp := filepath.Join(tmpDir, filepath.Base(path))
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	l, err := net.ListenUnix(network, &net.UnixAddr{Name: tmp, Net: network})
 	if err != nil {
 		return nil, err
 	}

@@ -64,6 +64,8 @@ func TestReady(t *testing.T) {
 				statedb.RWTable[*redirect.Redirect].ToTable,
 				statedb.RWTable[*redirect.Attachment].ToTable,
 				func() redirect.Datapath { return enabledDatapath{} },
+				// The CNI route asks the l2 mode about these rows.
+				redirect.NewL2Mode,
 			),
 		),
 		cni.Cell,

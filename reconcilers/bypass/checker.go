@@ -20,6 +20,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/xds"
@@ -54,6 +55,8 @@ type checkerParams struct {
 	Acks           statedb.Table[*xds.Ack] `optional:"true"`
 	WorkloadConfig workload.Config         `optional:"true"`
 	Metrics        *prometheus.Registry    `optional:"true"`
+	// Modes: an active mode other than l2 checks the kernel itself (mode.go).
+	Modes steering.Modes
 }
 
 // Checker runs the check and keeps the bypass table and the gauge.
@@ -68,13 +71,19 @@ type Checker struct {
 	// ready (see Ready); nil once done.
 	initDone func(statedb.WriteTxn)
 	ready    chan struct{}
+	// mode checks instead of check.go in in-pod mode; nil in l2 mode.
+	mode steering.BypassChecker
 }
 
 func newChecker(p checkerParams) (*Checker, error) {
 	wtxn := p.DB.WriteTxn(p.Table)
 	initDone := p.Table.RegisterInitializer(wtxn, "datapath-in-place")
 	wtxn.Commit()
-	c := &Checker{p: p, kernel: p.Kernel, initDone: initDone, ready: make(chan struct{}), gauge: prometheus.NewGauge(prometheus.GaugeOpts{
+	mode, err := modeChecker(p.Modes)
+	if err != nil {
+		return nil, err
+	}
+	c := &Checker{p: p, kernel: p.Kernel, mode: mode, initDone: initDone, ready: make(chan struct{}), gauge: prometheus.NewGauge(prometheus.GaugeOpts{
 		Name: "mtlsbridge_bypassing_pods",
 		Help: "Enrolled pods of this node whose TCP may bypass the mTLS agent, at the last check",
 	})}
@@ -98,6 +107,9 @@ func (c *Checker) Check() ([]*Bypass, error) {
 		if ok, _ := t.Initialized(txn); !ok {
 			return nil, ErrNotSynced
 		}
+	}
+	if c.mode != nil {
+		return c.checkMode(txn, c.mode)
 	}
 	in := input{Now: time.Now(), Kernel: c.kernel}
 	if errors.Is(c.p.Datapath.Err(), redirect.ErrDisabled) {

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package readiness derives, for the pods of this node, whether their
-// redirection is really in place (the datapath's rows are all reconciled:
-// redirect.Steered), and publishes it: the ready-annotations table, read
+// redirection is really in place (the active redirection mode answers
+// steering.Steered: in l2 mode the datapath's rows are all reconciled), and
+// publishes it: the ready-annotations table, read
 // by this node's xDS for its own pods, and in Kubernetes mode the
 // annotation mtlsbridge.io/redirect=ready on each such pod, which every
 // other node reads to decide whether to send it HBONE.
@@ -25,7 +26,7 @@ var Cell = cell.Module(
 	cell.ProvidePrivate(NewTable),
 	// xDS reads it for this node's pods; db show for operators.
 	cell.Provide(statedb.RWTable[*ReadyAnnotation].ToTable),
-	// From the datapath's rows into the table.
+	// From the active mode's answers into the table.
 	cell.Invoke(registerDerivation),
 	// In Kubernetes mode, the table onto the pods' annotations.
 	cell.Invoke(registerPublisher),

@@ -13,36 +13,44 @@ import (
 	"github.com/cilium/statedb/reconciler"
 
 	"github.com/mtlsbridge/mtlsbridge/reconcilers"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 type derivationParams struct {
 	cell.In
 
-	Node        tables.LocalNode
-	Log         *slog.Logger
-	DB          *statedb.DB
-	Jobs        job.Group
-	Pods        statedb.Table[*tables.Pod]
-	CNIPods     statedb.Table[*tables.CNIPod]
-	Redirects   statedb.Table[*redirect.Redirect]
-	Attachments statedb.Table[*redirect.Attachment]
-	Table       statedb.RWTable[*ReadyAnnotation]
+	Node    tables.LocalNode
+	Log     *slog.Logger
+	DB      *statedb.DB
+	Jobs    job.Group
+	Pods    statedb.Table[*tables.Pod]
+	CNIPods statedb.Table[*tables.CNIPod]
+	// Modes: the active one says whether a pod is steered.
+	Modes steering.Modes
+	Table statedb.RWTable[*ReadyAnnotation]
 }
 
-func registerDerivation(p derivationParams) {
-	p.Jobs.Add(job.OneShot("derive-ready-annotations", (&derivation{p}).run))
+func registerDerivation(p derivationParams) error {
+	mode, err := p.Modes.Active()
+	if err != nil {
+		return fmt.Errorf("readiness: %w", err)
+	}
+	p.Jobs.Add(job.OneShot("derive-ready-annotations", (&derivation{p, mode}).run))
+	return nil
 }
 
-// derivation keeps the ready-annotations table equal to what the datapath
-// says of this node's pods.
-type derivation struct{ derivationParams }
+// derivation keeps the ready-annotations table equal to what the active
+// redirection mode says of this node's pods.
+type derivation struct {
+	derivationParams
+	mode steering.Mode
+}
 
 func (d *derivation) run(ctx context.Context, health cell.Health) error {
 	// Readiness is judged on the rows of this agent only once they exist:
 	// before, every pod would look not ready.
-	if !reconcilers.WaitInitialized(ctx, health, d.DB, d.Pods, d.CNIPods, d.Redirects, d.Attachments) {
+	if !reconcilers.WaitInitialized(ctx, health, d.DB, append([]statedb.TableMeta{d.Pods, d.CNIPods}, d.mode.Tables()...)...) {
 		return nil
 	}
 	return reconcilers.RunDerivation(ctx, health, d.step, func() string {
@@ -56,18 +64,16 @@ func (d *derivation) step() []<-chan struct{} {
 	wtxn := d.DB.WriteTxn(d.Table)
 	defer wtxn.Commit()
 	pods, podsWatch := d.Pods.ListWatch(wtxn, tables.PodsOfThisNode())
-	_, redirectsWatch := d.Redirects.AllWatch(wtxn)
-	_, attachmentsWatch := d.Attachments.AllWatch(wtxn)
 	_, cniPodsWatch := d.CNIPods.AllWatch(wtxn)
 	var rows []*ReadyAnnotation
 	for pod := range pods {
 		addrs := tables.PodAddrs(wtxn, d.CNIPods, pod)
-		switch state := redirect.SteeringOf(wtxn, d.Redirects, d.Attachments, pod.Key(), addrs); {
-		case state == redirect.Steered:
+		switch state, _ := d.mode.Steering(wtxn, pod.Key(), addrs); {
+		case state == steering.Steered:
 			rows = append(rows, &ReadyAnnotation{Pod: pod.Key(), Ready: true})
-		case state == redirect.NotSteered && pod.RedirectReady:
+		case state == steering.NotSteered && pod.RedirectReady:
 			rows = append(rows, &ReadyAnnotation{Pod: pod.Key(), Ready: false})
-		case state == redirect.Settling && pod.RedirectReady:
+		case state == steering.Settling && pod.RedirectReady:
 			// Keep what is published while statuses settle (an agent
 			// restart makes every row pending once).
 			if old, _, ok := d.Table.Get(wtxn, ByPod(pod.Key())); ok {
@@ -79,5 +85,5 @@ func (d *derivation) step() []<-chan struct{} {
 		Same:    func(old, new *ReadyAnnotation) bool { return old.Ready == new.Ready },
 		Prepare: func(a *ReadyAnnotation) { a.Status = reconciler.StatusPending() },
 	})
-	return []<-chan struct{}{podsWatch, redirectsWatch, attachmentsWatch, cniPodsWatch}
+	return append([]<-chan struct{}{podsWatch, cniPodsWatch}, d.mode.Watch(wtxn)...)
 }

@@ -33,6 +33,8 @@ var Cell = cell.Module(
 	cell.Provide(newDatapath, newNetlinkInterfaces),
 	// The pinned state as it is, read anew at each call (the bypass check).
 	cell.Provide(newPinnedState),
+	// In another mode, what an earlier l2 agent left pinned goes.
+	cell.Invoke(registerStalePinsRemoval),
 	Core,
 )
 
@@ -57,6 +59,9 @@ var Core = cell.Group(
 	cell.Invoke(registerReconcilers),
 	// redirect/map and redirect/attached: the kernel's view, for the shell.
 	cell.Provide(scriptCommands),
+	// Readiness, the CNI route and the bypass check ask the active mode;
+	// this is the l2 one.
+	cell.Provide(NewL2Mode),
 )
 
 // Config of the datapath.

@@ -14,6 +14,7 @@ import (
 	"github.com/cilium/hive/cell"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
 )
 
@@ -49,8 +50,23 @@ type bpfDatapath struct {
 
 var _ Datapath = (*bpfDatapath)(nil)
 
-func newDatapath(lc cell.Lifecycle, log *slog.Logger, health cell.Health, cfg Config, netns *NodeNetns) Datapath {
-	if !cfg.EnableRedirect {
+type datapathParams struct {
+	cell.In
+
+	Lifecycle cell.Lifecycle
+	Log       *slog.Logger
+	Health    cell.Health
+	Config    Config
+	Mode      steering.Config `optional:"true"`
+	Netns     *NodeNetns
+}
+
+func newDatapath(p datapathParams) Datapath {
+	lc, log, health, cfg, netns := p.Lifecycle, p.Log, p.Health, p.Config, p.Netns
+	switch {
+	case inactive(p.Mode):
+		return &bpfDatapath{err: ErrInactive}
+	case !cfg.EnableRedirect:
 		return &bpfDatapath{err: ErrDisabled}
 	}
 	dp := &bpfDatapath{root: cfg.BPFRoot, netns: netns}

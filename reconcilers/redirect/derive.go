@@ -23,6 +23,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -42,6 +43,7 @@ type derivationParams struct {
 	Attachments statedb.RWTable[*Attachment]
 	Interfaces  Interfaces
 	Datapath    Datapath
+	Mode        steering.Config `optional:"true"`
 }
 
 // derivation keeps the redirects and attachments tables equal to what the
@@ -69,6 +71,9 @@ const (
 )
 
 func registerDerivation(p derivationParams) {
+	if inactive(p.Mode) {
+		return // empty tables, initialized: another mode steers
+	}
 	d := &derivation{derivationParams: p, disabled: errors.Is(p.Datapath.Err(), ErrDisabled)}
 	wtxn := p.DB.WriteTxn(p.Redirects, p.Attachments)
 	d.initDone = []func(statedb.WriteTxn){

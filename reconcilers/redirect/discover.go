@@ -17,6 +17,8 @@ import (
 	"github.com/vishvananda/netlink/nl"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
 // PodInterface is the host side of a pod's veth pair.
@@ -63,10 +65,19 @@ type netlinkInterfaces struct {
 	changed chan struct{}
 }
 
-func newNetlinkInterfaces(cfg Config, netns *NodeNetns, jobs job.Group) Interfaces {
-	ni := &netlinkInterfaces{netns: netns, changed: make(chan struct{})}
-	if cfg.EnableRedirect { // else nothing scans: the derivation knows
-		jobs.Add(job.OneShot("watch-interfaces", ni.watch))
+type interfacesParams struct {
+	cell.In
+
+	Config Config
+	Mode   steering.Config `optional:"true"`
+	Netns  *NodeNetns
+	Jobs   job.Group
+}
+
+func newNetlinkInterfaces(p interfacesParams) Interfaces {
+	ni := &netlinkInterfaces{netns: p.Netns, changed: make(chan struct{})}
+	if p.Config.EnableRedirect && !inactive(p.Mode) { // else nothing scans: the derivation knows
+		p.Jobs.Add(job.OneShot("watch-interfaces", ni.watch))
 	}
 	return ni
 }

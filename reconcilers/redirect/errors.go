@@ -11,6 +11,9 @@ var (
 	ErrDatapathUnavailable = errors.New("BPF datapath unavailable")
 	// ErrDisabled is the datapath's state with --enable-redirect=false.
 	ErrDisabled = errors.New("redirection disabled (--enable-redirect=false)")
+	// ErrInactive is the datapath's state in another --redirect-mode: it
+	// loads nothing and writes nothing.
+	ErrInactive = errors.New("l2 datapath inactive (--redirect-mode is not l2)")
 	// ErrNoInterface: no host-side veth has the pod's address on its peer
 	// (the CNI has not finished, or the pod is not behind a veth).
 	ErrNoInterface = errors.New("no interface found for the pod")

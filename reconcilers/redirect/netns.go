@@ -9,6 +9,8 @@ import (
 
 	"github.com/cilium/hive/cell"
 	"github.com/vishvananda/netns"
+
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
 // NodeNetns is the network namespace of the node's devices: the agent's own
@@ -19,8 +21,17 @@ type NodeNetns struct {
 	handle netns.NsHandle // netns.None() for the agent's own
 }
 
-func newNodeNetns(lc cell.Lifecycle, cfg Config) (*NodeNetns, error) {
-	if cfg.NodeNetns == "" || !cfg.EnableRedirect {
+type nodeNetnsParams struct {
+	cell.In
+
+	Lifecycle cell.Lifecycle
+	Config    Config
+	Mode      steering.Config `optional:"true"`
+}
+
+func newNodeNetns(p nodeNetnsParams) (*NodeNetns, error) {
+	lc, cfg := p.Lifecycle, p.Config
+	if cfg.NodeNetns == "" || !cfg.EnableRedirect || inactive(p.Mode) {
 		return &NodeNetns{handle: netns.None()}, nil
 	}
 	h, err := netns.GetFromPath(cfg.NodeNetns)

@@ -124,8 +124,8 @@ const (
 )
 
 func registerReconcilers(p reconcilerParams) error {
-	if errors.Is(p.Datapath.Err(), ErrDisabled) {
-		return nil // the derivation's rows say that nothing is applied
+	if errors.Is(p.Datapath.Err(), ErrDisabled) || errors.Is(p.Datapath.Err(), ErrInactive) {
+		return nil // the derivation's rows say that nothing is applied, or there are none
 	}
 	_, err := reconciler.Register(p.Params, p.Redirects,
 		(*Redirect).clone,

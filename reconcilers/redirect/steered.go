@@ -10,26 +10,25 @@ import (
 	"github.com/cilium/statedb/reconciler"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
 // Steering says whether the datapath steers a pod's TCP to the mTLS agent,
 // by the reconcile status of the rows that do it.
-type Steering int
+type Steering = steering.Steering
 
 const (
 	// Steered: the agent's entry, an enrolled entry of the pod for each of
 	// its addresses and the from-pod program on its interface are all in
 	// the kernel.
-	Steered Steering = iota
+	Steered = steering.Steered
 	// Settling: some of those rows are still pending; the outcome is not
 	// known yet.
-	Settling
+	Settling = steering.Settling
 	// NotSteered: a row failed or is missing (the pod is not enrolled, or
 	// its redirection cannot be written).
-	NotSteered
+	NotSteered = steering.NotSteered
 )
-
-func (s Steering) and(o Steering) Steering { return max(s, o) }
 
 // SteeringOf tells whether the datapath steers the pod ("namespace/name")
 // for addrs. Readiness asks it for a pod's current addresses, the CNI
@@ -37,7 +36,7 @@ func (s Steering) and(o Steering) Steering { return max(s, o) }
 func SteeringOf(txn statedb.ReadTxn, redirects statedb.Table[*Redirect], attachments statedb.Table[*Attachment],
 	pod string, addrs []netip.Addr) Steering {
 	agent := rowsSteering(redirects.List(txn, RedirectByAddr(bpf.AgentKey)), bpf.KindAgent)
-	return agent.and(podSteering(txn, redirects, attachments, pod, addrs))
+	return agent.And(podSteering(txn, redirects, attachments, pod, addrs))
 }
 
 // rowsSteering folds the statuses of rows that must all be done, and of
@@ -83,7 +82,7 @@ func podSteering(txn statedb.ReadTxn, redirects statedb.Table[*Redirect], attach
 		if !ok || row.Pod != pod {
 			return NotSteered
 		}
-		state = state.and(rowsSteering(func(yield func(*Redirect, statedb.Revision) bool) { yield(row, 0) }, bpf.KindEnrolled))
+		state = state.And(rowsSteering(func(yield func(*Redirect, statedb.Revision) bool) { yield(row, 0) }, bpf.KindEnrolled))
 	}
 	return state
 }

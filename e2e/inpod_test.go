@@ -1,0 +1,331 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package e2e_test
+
+import (
+	"crypto/tls"
+	"fmt"
+	"net/netip"
+	"os"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/nftables"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/mtlsbridge/mtlsbridge/proxy"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
+)
+
+// TestInPodMTLS proves the in-pod mode on the two-node testbed as TestMTLS
+// proves the l2 mode: the agents run with --redirect-mode=inpod and the
+// reference mTLS agent runs as ztunnel does in its in-pod mode (ZDS, its
+// listeners inside each pod's namespace). Enrolled pods' traffic crosses
+// the wire only as mTLS and arrives intact; a proxy that dies or stops
+// leaves the pods' connections refused, never in clear; the agent's
+// restart keeps flows; a pod enrolled and unenrolled while running gains
+// and loses its redirection.
+func TestInPodMTLS(t *testing.T) {
+	b := newBedMode(t, newFolderCluster(t), true)
+	runInPodChecks(t, b)
+}
+
+func runInPodChecks(t *testing.T, b *bed) {
+	p := startCheckPods(b)
+	na, nb := b.nodes[0], b.nodes[1]
+	for _, c := range []struct{ from, to *bedPod }{{p.a1, p.b1}, {p.a1, p.a2}, {p.b1, p.a1}} {
+		b.knows(c.from.node, c.from, c.to, true)
+	}
+	b.knows(na, p.a1, p.bplain, false)
+
+	t.Run("0 each enrolled pod is handed to its proxy as itself, with its redirection", func(t *testing.T) {
+		for _, pod := range []*bedPod{p.a1, p.a2, p.b1} {
+			if err := inPodInPlace(pod); err != nil {
+				t.Error(err)
+			}
+		}
+		// The l2 datapath contributes nothing: nothing pinned on bpffs.
+		for _, n := range b.nodes {
+			if pins, _ := os.ReadDir(n.bpfRoot); len(pins) > 0 {
+				t.Errorf("%s's agent pinned %d objects under %s in the in-pod mode", n.name, len(pins), n.bpfRoot)
+			}
+		}
+		for _, pod := range []*bedPod{p.aplain, p.a3, p.bplain} {
+			if present := inPodRulesPresent(t, pod); present {
+				t.Errorf("%s is not enrolled, but holds the in-pod redirection", pod)
+			}
+		}
+		// The proxy got exactly the Workloads' name, namespace and service
+		// account in ZDS (what ztunnel matches its xDS Workload on).
+		d, err := na.configDump()
+		must(t, err)
+		var got []string
+		for _, pod := range d.Pods {
+			got = append(got, fmt.Sprintf("%s/%s sa=%s", pod.Namespace, pod.Name, pod.ServiceAccount))
+		}
+		if want := []string{"app/a1 sa=a1", "app/a2 sa=a2"}; !slices.Equal(sortedStrings(got), want) {
+			t.Errorf("node-a's proxy serves %q, want %q", got, want)
+		}
+	})
+
+	t.Run("1 enrolled to enrolled across nodes is mTLS", func(t *testing.T) {
+		for _, v6 := range []bool{false, true} {
+			for _, c := range []struct{ from, to *bedPod }{{p.a1, p.b1}, {p.b1, p.a1}} {
+				f := b.run(c.from, c.to, v6)
+				t.Log(f)
+				expectMTLS(t, f)
+			}
+		}
+		for _, n := range b.nodes {
+			b.eventually(n.name+" bypass check", func() error { return n.noBypass() })
+		}
+	})
+
+	t.Run("2 plain where a side is not enrolled", func(t *testing.T) {
+		for _, v6 := range []bool{false, true} {
+			f := b.run(p.a1, p.bplain, v6)
+			t.Log(f)
+			expectPlainInPod(t, f, true, false)
+			// Plain into an enrolled pod is redirected inside it to the
+			// proxy (15006), which hands it to the pod from the client's
+			// own address.
+			f = b.run(p.aplain, p.b1, v6)
+			t.Log(f)
+			expectPlainInPod(t, f, false, true)
+			f = b.run(p.aplain, p.bplain, v6)
+			t.Log(f)
+			expectPlainInPod(t, f, false, false)
+		}
+	})
+
+	t.Run("3 same node stays on the node", func(t *testing.T) {
+		for _, v6 := range []bool{false, true} {
+			f := b.run(p.a1, p.a2, v6)
+			t.Log(f)
+			if f.err != nil || f.reply.server != "a2" || f.reply.remote.Addr() != p.a1.addr(v6) {
+				t.Errorf("a1 -> a2: %+v %v", f.reply, f.err)
+			}
+			if len(f.segments) > 0 {
+				t.Errorf("same-node flow crossed the underlay (%d segments)", len(f.segments))
+			}
+		}
+	})
+
+	t.Run("4 clients without a mesh certificate are refused on 15008", func(t *testing.T) {
+		before := nb.metric("mtlsbridge_proxy_handshake_failures_total", `direction="inbound"`)
+		other := foreignCertificate(t, "spiffe://cluster.local/ns/app/sa/aplain")
+		for _, cert := range []*tls.Certificate{other, nil} {
+			if err := tlsTo(p.aplain, netip.AddrPortFrom(p.b1.ip4, proxy.HBONEPort), cert); err == nil {
+				t.Errorf("b1:15008 (the proxy's listener in b1) answered a client with certificate %v", cert != nil)
+			}
+		}
+		// The proxy counts a refusal once its side of the handshake ends,
+		// which may be after the client's.
+		b.eventually("node-b's proxy counts both refusals", func() error {
+			if after := nb.metric("mtlsbridge_proxy_handshake_failures_total", `direction="inbound"`); after != before+2 {
+				return fmt.Errorf("%v failed inbound handshakes, want 2", after-before)
+			}
+			return nil
+		})
+	})
+
+	t.Run("5 proxy killed fails closed and recovers; agent restart keeps flows", func(t *testing.T) {
+		na.killProxy()
+		var down [2]*flow
+		var wg sync.WaitGroup
+		for i, v6 := range []bool{false, true} {
+			wg.Add(1)
+			go func() { defer wg.Done(); down[i] = b.run(p.a1, p.b1, v6) }()
+		}
+		wg.Wait()
+		for _, f := range down {
+			t.Log(f)
+			// The HBONE connections the dead proxy held close (their
+			// segments to and from 15008); nothing else may leave.
+			if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
+				t.Errorf("with the proxy down, a1 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
+			}
+		}
+		// The redirection is the node agent's: still in place.
+		if !inPodRulesPresent(t, p.a1) {
+			t.Error("a1 lost its redirection when the proxy died")
+		}
+		na.startProxy()
+		na.waitProxyReady()
+		b.knows(na, p.a1, p.b1, true)
+		for _, v6 := range []bool{false, true} {
+			f := b.run(p.a1, p.b1, v6)
+			t.Log(f)
+			expectMTLS(t, f)
+		}
+
+		echo := openEcho(t, p.a1, netip.AddrPortFrom(p.b1.ip4, echoPort))
+		marker := newMarker("echo")
+		b.underlay.Watch(marker)
+		echo.roundTrip(t, marker)
+		connects := na.metric("mtlsbridge_proxy_zds_connects_total")
+		na.killAgent()
+		for range 3 {
+			echo.roundTrip(t, marker)
+			time.Sleep(100 * time.Millisecond)
+		}
+		f := b.run(p.a1, p.b1, false)
+		t.Log(f)
+		expectMTLS(t, f)
+		na.startAgent()
+		na.waitAgent()
+		echo.roundTrip(t, marker)
+		b.eventually("node-a's proxy back on ZDS", func() error {
+			if n := na.metric("mtlsbridge_proxy_zds_connects_total"); n <= connects {
+				return fmt.Errorf("%v ZDS connects", n)
+			}
+			return nil
+		})
+		b.eventually("a1 redirected and held again", func() error { return na.noBypass("a1") })
+		echo.roundTrip(t, marker)
+		echo.close()
+		f = b.run(p.a1, p.b1, true)
+		t.Log(f)
+		expectMTLS(t, f)
+		time.Sleep(captureLag)
+		if seen := b.underlay.Seen(marker); len(seen) > 0 {
+			t.Errorf("the long-lived connection's payload crossed the underlay in clear: %v", seen[0])
+		}
+	})
+
+	t.Run("6 enrolled while running, then unenrolled", func(t *testing.T) {
+		f := b.run(p.a3, p.b1, false)
+		t.Log(f)
+		expectPlainInPod(t, f, false, true)
+		b.setEnrolled(p.a3, true)
+		b.knows(na, p.a3, p.b1, true)
+		b.eventually("a3 redirected", func() error { return na.noBypass("a3") })
+		for _, v6 := range []bool{false, true} {
+			f := b.run(p.a3, p.b1, v6)
+			t.Log(f)
+			expectMTLS(t, f)
+		}
+		b.setEnrolled(p.a3, false)
+		// Until the redirection is removed a new connection may be refused
+		// (the proxy no longer serves a3), never sent in clear by it.
+		b.eventually("a3 plain again", func() error {
+			f = b.run(p.a3, p.b1, false)
+			if f.err != nil || f.out != nil || !f.visible {
+				return fmt.Errorf("%s", f)
+			}
+			return nil
+		})
+		expectPlainInPod(t, f, false, true)
+		if inPodRulesPresent(t, p.a3) {
+			t.Error("a3's redirection stayed after it was unenrolled")
+		}
+	})
+
+	t.Run("7 a proxy stopped cleanly still fails closed", func(t *testing.T) {
+		na.stopProxy()
+		f := b.run(p.a1, p.b1, false)
+		t.Log(f)
+		if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
+			t.Errorf("without a proxy, a1 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
+		}
+		na.startProxy()
+		na.waitProxyReady()
+		b.knows(na, p.a1, p.b1, true)
+		f = b.run(p.a1, p.b1, false)
+		t.Log(f)
+		expectMTLS(t, f)
+	})
+}
+
+// expectPlainInPod: the payload arrived intact from the source pod's
+// address, crossed the underlay in clear, through the source node's proxy
+// only when the source is enrolled (outbound plain) and through the
+// destination node's only when the destination is (inbound plain, 15006).
+func expectPlainInPod(t *testing.T, f *flow, viaSource, viaDestination bool) {
+	t.Helper()
+	src := f.from.addr(f.dst.Addr().Is6())
+	switch {
+	case f.err != nil:
+		t.Errorf("%s -> %s: %v", f.from, f.dst, f.err)
+	case f.reply.server != f.to.name || f.reply.remote.Addr() != src:
+		t.Errorf("%s -> %s: answered by %s from %s, want %s from %s", f.from, f.dst, f.reply.server, f.reply.remote, f.to.name, src)
+	case !f.visible:
+		t.Errorf("%s -> %s: plain payload not seen on the underlay", f.from, f.dst)
+	case viaSource != (f.out != nil) || (f.out != nil && f.out["protocol"] != proxy.ProtocolPlain):
+		t.Errorf("%s -> %s: source proxy's record %v, want one: %v", f.from, f.dst, f.out, viaSource)
+	case viaDestination != (f.in != nil) || (f.in != nil && f.in["protocol"] != proxy.ProtocolPlain):
+		t.Errorf("%s -> %s: destination proxy's record %v, want one: %v", f.from, f.dst, f.in, viaDestination)
+	}
+}
+
+// inPodRulesPresent tells whether the pod's namespace holds the in-pod
+// redirection's nftables table.
+func inPodRulesPresent(t testing.TB, p *bedPod) bool {
+	conn, err := nftables.New(nftables.WithNetNSFd(int(p.ns.Handle)))
+	must(t, err)
+	tbls, err := conn.ListTablesOfFamily(nftables.TableFamilyINet)
+	must(t, err)
+	return slices.ContainsFunc(tbls, func(tb *nftables.Table) bool { return tb.Name == inpod.NFTTableName })
+}
+
+// inPodInPlace checks in the pod's namespace, as a pod that starts would
+// find it: the redirection's four chains, the policy rule of each family,
+// and a listener of the proxy on each of ztunnel's ports.
+func inPodInPlace(p *bedPod) error {
+	conn, err := nftables.New(nftables.WithNetNSFd(int(p.ns.Handle)))
+	if err != nil {
+		return err
+	}
+	chains, err := conn.ListChainsOfTableFamily(nftables.TableFamilyINet)
+	if err != nil {
+		return err
+	}
+	n := 0
+	for _, c := range chains {
+		if c.Table.Name == inpod.NFTTableName {
+			n++
+		}
+	}
+	if n != 4 {
+		return fmt.Errorf("%s: %d chains of %s in its namespace, want 4", p, n, inpod.NFTTableName)
+	}
+	h, err := netlink.NewHandleAt(p.ns.Handle, unix.NETLINK_ROUTE, unix.NETLINK_INET_DIAG)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	listening := map[uint16]bool{}
+	for _, family := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
+		rules, err := h.RuleList(family)
+		if err != nil {
+			return err
+		}
+		if !slices.ContainsFunc(rules, func(r netlink.Rule) bool { return r.Table == inpod.RouteTable && r.Mark == inpod.ConnMark }) {
+			return fmt.Errorf("%s: no policy rule of family %d", p, family)
+		}
+		socks, err := h.SocketDiagTCP(uint8(family))
+		if err != nil {
+			return err
+		}
+		for _, s := range socks {
+			if s.State == 10 { // TCP_LISTEN
+				listening[s.ID.SourcePort] = true
+			}
+		}
+	}
+	for _, port := range []uint16{inpod.OutboundPort, inpod.InboundPlainPort, inpod.HBONEPort} {
+		if !listening[port] {
+			return fmt.Errorf("%s: no proxy listener on %d in its namespace", p, port)
+		}
+	}
+	return nil
+}
+
+func sortedStrings(s []string) []string {
+	s = slices.Clone(s)
+	slices.Sort(s)
+	return s
+}

@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package inpod is the in-pod redirection mode (--redirect-mode=inpod): the
+// model of ztunnel >= 1.23, of istio-cni and of Cilium v1.20's
+// encryption.type=ztunnel, without their window. For every enrolled pod of
+// this node, a derivation names the pod's network namespace (from the CNI
+// report of its sandbox) in two tables: inpod, the redirection to write
+// there (nftables and policy routing, through netlink; a statedb
+// reconciler with Update, Delete and Prune), and zds, the pod to hand to
+// ztunnel over ZDS (package zds/nodeagent serves the socket). A pod is
+// steered (steering.Mode) once both are done: the CNI route holds its
+// start until then, readiness publishes it, and its Workload says HBONE.
+// In the l2 mode the tables stay empty and the reconciler removes any
+// redirection left in pods' namespaces.
+package inpod
+
+import (
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+	"github.com/spf13/pflag"
+
+	"github.com/mtlsbridge/mtlsbridge/zds/nodeagent"
+)
+
+// Cell redirects enrolled pods inside their namespace, to ztunnel.
+var Cell = cell.Module(
+	"inpod",
+	"Enrolled pods redirected inside their own namespace to ztunnel over ZDS",
+
+	// The pods' namespaces, through netlink. Tests of the derivation and
+	// of ZDS provide another target and use Core.
+	cell.Provide(newNetlinkTarget),
+	Core,
+)
+
+// Core is the cell without the kernel side: configuration, tables,
+// derivation, reconciler, ZDS server, mode. It needs a Target.
+var Core = cell.Group(
+	cell.Config(defaultConfig),
+	// The module's jobs report to its own health.
+	cell.ProvidePrivate(func(reg job.Registry, health cell.Health) job.Group { return reg.NewGroup(health) }),
+	// The derivation writes the tables' desired side, the reconciler and
+	// the ZDS server their status.
+	cell.ProvidePrivate(NewRedirectionsTable, nodeagent.NewWorkloadsTable, nodeagent.NewConnectionsTable),
+	// db show, readiness, the CNI route and the bypass check read them.
+	cell.Provide(
+		statedb.RWTable[*Redirection].ToTable,
+		statedb.RWTable[*nodeagent.Workload].ToTable,
+		statedb.RWTable[*nodeagent.Connection].ToTable,
+	),
+	// Enrolled local pods into the tables.
+	cell.Invoke(registerDerivation),
+	// Redirections into the pods' namespaces; in the l2 mode, out of them.
+	cell.ProvidePrivate(newReconciler),
+	cell.Invoke(func(reconciler.Reconciler[*Redirection]) {}),
+	// inpod/prune: prune now (tests, and after repairs by hand).
+	cell.Provide(scriptCommands),
+	// ztunnel told of the pods over ZDS, in the inpod mode only.
+	cell.Invoke(registerZDSServer),
+	// Readiness, the CNI route and the bypass check ask the active mode;
+	// this is the inpod one.
+	cell.Provide(newMode),
+)
+
+// Config of the in-pod mode.
+type Config struct {
+	// ZDSSocket is where ztunnel connects (flag --zds-socket): its
+	// INPOD_UDS.
+	ZDSSocket string
+}
+
+// DefaultZDSSocket is ztunnel's default INPOD_UDS.
+const DefaultZDSSocket = "/var/run/ztunnel/ztunnel.sock"
+
+var defaultConfig = Config{ZDSSocket: DefaultZDSSocket}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(flags *pflag.FlagSet) {
+	flags.String("zds-socket", def.ZDSSocket,
+		"--redirect-mode=inpod: the UNIX socket ztunnel connects to (its INPOD_UDS; Cilium's chart uses /var/run/cilium/ztunnel.sock)")
+}

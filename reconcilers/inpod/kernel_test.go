@@ -1,0 +1,311 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package inpod_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+	"istio.io/istio/pkg/zdsapi"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
+	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
+	"github.com/mtlsbridge/mtlsbridge/metrics"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
+	"github.com/mtlsbridge/mtlsbridge/zds"
+)
+
+// TestKernel runs the in-pod mode on a real pod's namespace with a real
+// ZDS client: the namespace ztunnel is handed is the pod's (a listener it
+// opens there receives the pod's outbound TCP), the redirection outlives
+// an agent restart without a gap and is taken over, and an agent started
+// in the l2 mode removes it.
+func TestKernel(t *testing.T) {
+	netnstest.RequirePrivileged(t)
+	n1, n2 := netnstest.NewNodes(t)
+	a := n1.AddPod(t, "a")
+	r := n2.AddPod(t, "r")
+	r.Serve(t, "r", 8080, false, r.IP4, r.IP6)
+	manifests := t.TempDir()
+	dir, err := os.MkdirTemp("", "inpod-")
+	must(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	socket := filepath.Join(dir, "ztunnel.sock")
+	path := "/var/run/netns/" + a.NS.Name
+	must(t, manifesttest.Write(manifests, "cluster.yaml", fmt.Appendf(nil, `apiVersion: v1
+kind: Namespace
+metadata: {name: app}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: app, uid: a-1, labels: {cilium.io/redir-type: workload}}
+spec: {nodeName: node-a}
+status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
+`, a.IP4, a.IP6)))
+	report := &tables.CNIPod{ContainerID: "sandbox-a", Pod: "app/a", UID: "a-1", IPs: []netip.Addr{a.IP4, a.IP6},
+		Netns: path, State: tables.CNIStateWaiting, Updated: time.Now()}
+
+	z := &netnsZtunnel{listeners: map[string][]net.Listener{}}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- (&zds.Client{Path: socket, Handler: z, Log: slog.New(slog.DiscardHandler), MaxBackoff: 50 * time.Millisecond}).Run(ctx)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("ztunnel: %v", err)
+		}
+		z.closeAll()
+	})
+
+	// The agent in the in-pod mode.
+	ag := startAgent(t, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket)
+	ag.waitSteered(t, "app/a", a.IP4, a.IP6)
+	expectRules(t, a, "in place")
+	for _, dst := range []netip.Addr{r.IP4, r.IP6} {
+		if got, err := a.Ask(netip.AddrPortFrom(dst, 8080)); err != nil || got.Server != "ztunnel-a-1" {
+			t.Errorf("a -> %s: %v %v, want ztunnel's listener in a's namespace", dst, got, err)
+		}
+	}
+
+	// Restart: the redirection stays while no agent runs, and the new
+	// agent takes it over; ztunnel gets a snapshot again.
+	ag.stop(t)
+	expectRules(t, a, "in place")
+	if got, err := a.Ask(netip.AddrPortFrom(r.IP4, 8080)); err != nil || got.Server != "ztunnel-a-1" {
+		t.Errorf("while no agent runs, a -> r: %v %v, want ztunnel", got, err)
+	}
+	ag = startAgent(t, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket)
+	ag.waitSteered(t, "app/a", a.IP4, a.IP6)
+	expectRules(t, a, "in place")
+	ag.stop(t)
+
+	// The mode turned off: nothing of it stays in the pod.
+	startAgent(t, manifests, report, "--redirect-mode=l2")
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		gaps := rulesGaps(t, a)
+		if strings.HasPrefix(gaps, inpod.GapTableMissing) && strings.Contains(gaps, inpod.GapRuleMissing+" (IPv4)") &&
+			strings.Contains(gaps, inpod.GapRuleMissing+" (IPv6)") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the l2 mode left in-pod rules: gaps only %q", gaps)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if got, err := a.Ask(netip.AddrPortFrom(r.IP4, 8080)); err != nil || got.Server != "r" {
+		t.Errorf("after the in-pod mode, a -> r: %v %v, want r directly", got, err)
+	}
+}
+
+const waitTimeout = 20 * time.Second
+
+// testAgent is a hive of the in-pod mode on the real kernel.
+type testAgent struct {
+	h     *hive.Hive
+	db    *statedb.DB
+	modes steering.Modes
+}
+
+// startAgent starts the agent; the CNI report comes back from the state
+// folder as package cni does, before cni-pods counts as initialized.
+func startAgent(t *testing.T, manifests string, report *tables.CNIPod, flags ...string) *testAgent {
+	ag := &testAgent{}
+	h := hive.New(
+		cell.SimpleHealthCell, job.Cell, statedb.Cell,
+		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, readiness.Cell, workload.Cell,
+		cell.Provide(func() steering.ModeOut { return steering.ModeOut{Mode: noL2{}} }),
+		inpod.Cell,
+		cell.Invoke(func(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], m steering.Modes) {
+			ag.db, ag.modes = db, m
+			wtxn := db.WriteTxn(cniPods)
+			done := cniPods.RegisterInitializer(wtxn, "test-restore")
+			cniPods.Insert(wtxn, report)
+			done(wtxn)
+			wtxn.Commit()
+		}),
+	)
+	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(fs)
+	must(t, fs.Parse(append([]string{"--source=dir:" + manifests, "--node-name=node-a"}, flags...)))
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	must(t, h.Start(hivetest.Logger(t), ctx))
+	ag.h = h
+	t.Cleanup(func() { ag.stop(t) })
+	return ag
+}
+
+func (ag *testAgent) stop(t *testing.T) {
+	if ag.h == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	must(t, ag.h.Stop(hivetest.Logger(t), ctx))
+	ag.h = nil
+}
+
+func (ag *testAgent) waitSteered(t *testing.T, pod string, addrs ...netip.Addr) {
+	t.Helper()
+	mode, err := ag.modes.Active()
+	must(t, err)
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		state, detail := mode.Steering(ag.db.ReadTxn(), pod, addrs)
+		if state == steering.Steered {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not steered: %s: %s", pod, state, detail)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func rulesGaps(t *testing.T, p *netnstest.Pod) string {
+	gaps, err := inpodCheck(p)
+	must(t, err)
+	return strings.Join(gaps, "; ")
+}
+
+func expectRules(t *testing.T, p *netnstest.Pod, what string) {
+	t.Helper()
+	if gaps := rulesGaps(t, p); gaps != "" {
+		t.Errorf("rules %s: %s", what, gaps)
+	}
+}
+
+// inpodCheck is the bypass check's reading of a namespace.
+func inpodCheck(p *netnstest.Pod) ([]string, error) {
+	return inpod.NetlinkTargetForTests().Check("/var/run/netns/"+p.NS.Name, []netip.Addr{p.IP4, p.IP6})
+}
+
+// netnsZtunnel opens listeners on ztunnel's ports in each namespace it is
+// handed, as ztunnel does, answering "ztunnel-UID".
+type netnsZtunnel struct {
+	mu        sync.Mutex
+	listeners map[string][]net.Listener
+}
+
+func (z *netnsZtunnel) Add(uid string, _ *zdsapi.WorkloadInfo, f *os.File) error {
+	defer f.Close()
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	if _, ok := z.listeners[uid]; ok {
+		return nil
+	}
+	var ls []net.Listener
+	for _, addr := range []string{"0.0.0.0:15001", "[::]:15001", "0.0.0.0:15006", "[::]:15006", "0.0.0.0:15008", "[::]:15008"} {
+		l, err := listenIn(netns.NsHandle(f.Fd()), addr)
+		if err != nil {
+			return err
+		}
+		ls = append(ls, l)
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				fmt.Fprintf(c, "ztunnel-%s %s %s\n", uid, c.LocalAddr(), c.RemoteAddr())
+				c.Close()
+			}
+		}()
+	}
+	z.listeners[uid] = ls
+	return nil
+}
+
+func (z *netnsZtunnel) Del(uid string) {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	for _, l := range z.listeners[uid] {
+		l.Close()
+	}
+	delete(z.listeners, uid)
+}
+
+func (z *netnsZtunnel) Reconcile(keep map[string]bool) {
+	z.mu.Lock()
+	var gone []string
+	for uid := range z.listeners {
+		if !keep[uid] {
+			gone = append(gone, uid)
+		}
+	}
+	z.mu.Unlock()
+	for _, uid := range gone {
+		z.Del(uid)
+	}
+}
+
+func (z *netnsZtunnel) closeAll() { z.Reconcile(nil) }
+
+// listenIn opens a TCP listener inside the namespace h.
+func listenIn(h netns.NsHandle, addr string) (net.Listener, error) {
+	type result struct {
+		l   net.Listener
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := netns.Get()
+		if err != nil {
+			res <- result{err: err}
+			return
+		}
+		defer orig.Close()
+		if err := unix.Setns(int(h), unix.CLONE_NEWNET); err != nil {
+			res <- result{err: err}
+			return
+		}
+		network := "tcp4"
+		if strings.HasPrefix(addr, "[") {
+			network = "tcp6"
+		}
+		l, err := net.Listen(network, addr)
+		if err := netns.Set(orig); err != nil {
+			res <- result{l, err}
+			return // the thread stays locked and dies with the goroutine
+		}
+		runtime.UnlockOSThread()
+		res <- result{l, err}
+	}()
+	r := <-res
+	return r.l, r.err
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,119 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package inpod
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"iter"
+	"log/slog"
+	"slices"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+	"golang.org/x/time/rate"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// RulesOps writes redirections into pods' namespaces.
+type RulesOps struct {
+	target  Target
+	cniPods statedb.Table[*tables.CNIPod]
+	log     *slog.Logger
+}
+
+var _ reconciler.Operations[*Redirection] = (*RulesOps)(nil)
+
+// Update implements reconciler.Operations: the redirection is written
+// (the table replaced in one transaction), after the namespace was found
+// to hold the pod's addresses.
+func (o *RulesOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, r *Redirection) error {
+	if r.Problem != "" {
+		return errors.New(r.Problem)
+	}
+	if err := o.target.Apply(r); err != nil {
+		return fmt.Errorf("netns %s: %w", r.Netns, err)
+	}
+	return nil
+}
+
+// Delete implements reconciler.Operations: the pod left, or is no longer
+// enrolled. A namespace that is gone is not an error.
+func (o *RulesOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, r *Redirection) error {
+	if r.Netns == "" {
+		return nil
+	}
+	o.log.Info("Removing the in-pod redirection", "pod", r.Pod, "netns", r.Netns)
+	return o.target.Remove(r.Netns)
+}
+
+// Prune implements reconciler.Operations: every namespace a CNI report of
+// this node names, and no row asks for, loses what it holds of the
+// redirection: pods unenrolled while no agent ran, or all of them once
+// the mode is not inpod. The reconciler prunes only once the inpod table
+// is initialized, which the derivation does after cni-pods is.
+func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*Redirection, statedb.Revision]) error {
+	want := map[string]bool{}
+	for r := range rows {
+		want[r.Netns] = true
+	}
+	var paths []string
+	for row := range o.cniPods.All(txn) {
+		if row.Netns != "" && !want[row.Netns] && !slices.Contains(paths, row.Netns) {
+			paths = append(paths, row.Netns)
+		}
+	}
+	var errs []error
+	for _, path := range paths {
+		if !o.target.Present(path) {
+			continue
+		}
+		o.log.Info("Pruning an in-pod redirection no enrolled pod asks for", "netns", path)
+		errs = append(errs, o.target.Remove(path))
+	}
+	return errors.Join(errs...)
+}
+
+type reconcilerParams struct {
+	cell.In
+
+	Params       reconciler.Params
+	Log          *slog.Logger
+	Target       Target
+	CNIPods      statedb.Table[*tables.CNIPod]
+	Redirections statedb.RWTable[*Redirection]
+}
+
+const (
+	// pruneInterval bounds how long a redirection no enrolled pod asks
+	// for (left by a failed delete, or by hand) survives: such a pod's
+	// connections are refused. A prune opens each namespace of the node's
+	// CNI reports and lists its nftables tables: cheap.
+	pruneInterval = time.Minute
+	// refreshInterval bounds how long a redirection altered in a pod
+	// (a rule deleted by hand) stays altered; the bypass check shows it
+	// meanwhile.
+	refreshInterval = time.Minute
+)
+
+func newReconciler(p reconcilerParams) (reconciler.Reconciler[*Redirection], error) {
+	r, err := reconciler.Register(p.Params, p.Redirections,
+		(*Redirection).clone,
+		func(r *Redirection, s reconciler.Status) *Redirection { r.Status = s; return r },
+		func(r *Redirection) reconciler.Status { return r.Status },
+		&RulesOps{target: p.Target, cniPods: p.CNIPods, log: p.Log},
+		nil,
+		reconciler.WithName("rules"),
+		reconciler.WithPruning(pruneInterval),
+		reconciler.WithRefreshing(refreshInterval, rate.NewLimiter(50, 10)),
+		reconciler.WithRetry(100*time.Millisecond, 10*time.Second),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("inpod reconciler: %w", err)
+	}
+	return r, nil
+}

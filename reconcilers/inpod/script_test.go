@@ -1,0 +1,399 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package inpod_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/hive/script"
+	"github.com/cilium/hive/script/scripttest"
+	"github.com/cilium/statedb"
+	"istio.io/istio/pkg/zdsapi"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
+	"github.com/mtlsbridge/mtlsbridge/metrics"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
+	"github.com/mtlsbridge/mtlsbridge/tables"
+	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
+	"github.com/mtlsbridge/mtlsbridge/zds"
+)
+
+// TestScript runs testdata/*.txtar: the in-pod mode's derivation,
+// reconciler and ZDS server, with readiness and the Workloads, against
+// pods' namespaces in memory and real ZDS clients (zds.Client, with
+// ztunnel's fatal cases) on the real socket. No privileges needed: the
+// namespaces handed over are the test's own.
+func TestScript(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	scripttest.Test(t, ctx, newEngine, nil, "testdata/*.txtar")
+}
+
+func newEngine(t testing.TB, args []string) *script.Engine {
+	// Short: UNIX socket paths are limited to 108 bytes.
+	dir, err := os.MkdirTemp("", "inpod-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	socket := filepath.Join(dir, "ztunnel.sock")
+	target := &fakeTarget{namespaces: map[string][]netip.Addr{}, rules: map[string]bool{}, altered: map[string]bool{}}
+	var modes steering.Modes
+	var db *statedb.DB
+	h := hive.New(
+		cell.SimpleHealthCell, job.Cell, statedb.Cell,
+		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell,
+		readiness.Cell, workload.Cell,
+		cell.Module("inpod-test", "In-pod mode on namespaces in memory",
+			cell.Provide(func() inpod.Target { return target }),
+			inpod.Core,
+		),
+		// The l2 mode's datapath has tests of its own; in these, l2 is a
+		// mode that steers nothing.
+		cell.Provide(func() steering.ModeOut { return steering.ModeOut{Mode: noL2{}} }),
+		cell.Invoke(func(m steering.Modes, d *statedb.DB) { modes, db = m, d }),
+	)
+	cmds := target.commands()
+	zt := &ztunnels{t: t, socket: socket, running: map[string]*ztunnel{}}
+	maps.Insert(cmds, maps.All(zt.commands()))
+	cmds["steering/ask"] = script.Command(
+		script.CmdUsage{Summary: "print the active mode's answer for a pod and addresses", Args: "pod addr..."},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) < 1 {
+				return nil, script.ErrUsage
+			}
+			var addrs []netip.Addr
+			for _, a := range args[1:] {
+				ip, err := netip.ParseAddr(a)
+				if err != nil {
+					return nil, err
+				}
+				addrs = append(addrs, ip)
+			}
+			mode, err := modes.Active()
+			if err != nil {
+				return nil, err
+			}
+			state, detail := mode.Steering(db.ReadTxn(), args[0], addrs)
+			return func(*script.State) (string, string, error) { return fmt.Sprintf("%s: %s\n", state, detail), "", nil }, nil
+		})
+	cmds["steering/bypass"] = script.Command(
+		script.CmdUsage{Summary: "run the active mode's bypass check for pods", Args: "pod..."},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			mode, err := modes.Active()
+			if err != nil {
+				return nil, err
+			}
+			bc := mode.(steering.BypassChecker)
+			var targets []steering.Target
+			for _, p := range args {
+				targets = append(targets, steering.Target{Pod: p})
+			}
+			gaps := bc.CheckBypass(db.ReadTxn(), targets)
+			var b strings.Builder
+			for _, p := range args {
+				fmt.Fprintf(&b, "%s: %s\n", p, strings.Join(gaps[p], "; "))
+			}
+			return func(*script.State) (string, string, error) { return b.String(), "", nil }, nil
+		})
+	engine := manifesttest.NewEngine(t, h, t.TempDir(), append([]string{"--node-name=node-a",
+		"--redirect-mode=inpod", "--zds-socket=" + socket}, args...), cmds)
+	// Before the hive stops (cleanups run last first).
+	t.Cleanup(zt.stopAll)
+	return engine
+}
+
+// noL2 stands for the l2 mode in these tests.
+type noL2 struct{}
+
+func (noL2) Name() string { return steering.ModeL2 }
+func (noL2) Steering(statedb.ReadTxn, string, []netip.Addr) (steering.Steering, string) {
+	return steering.NotSteered, "no l2 datapath in this test"
+}
+func (noL2) Watch(statedb.ReadTxn) []<-chan struct{} { return nil }
+func (noL2) Tables() []statedb.TableMeta             { return nil }
+
+// fakeTarget is pods' namespaces in memory: their addresses, and whether
+// the redirection is in them. Open hands the test's own namespace, a real
+// one, as ztunnel checks.
+type fakeTarget struct {
+	mu         sync.Mutex
+	namespaces map[string][]netip.Addr
+	rules      map[string]bool
+	altered    map[string]bool
+}
+
+var _ inpod.Target = (*fakeTarget)(nil)
+
+func (f *fakeTarget) Apply(r *inpod.Redirection) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	addrs, ok := f.namespaces[r.Netns]
+	if !ok {
+		return fmt.Errorf("open %s: %w", r.Netns, os.ErrNotExist)
+	}
+	for _, ip := range r.IPs {
+		if !slices.Contains(addrs, ip) {
+			return fmt.Errorf("%w: %s does not hold %s", inpod.ErrWrongNetns, r.Netns, ip)
+		}
+	}
+	f.rules[r.Netns] = true
+	delete(f.altered, r.Netns)
+	return nil
+}
+
+func (f *fakeTarget) Remove(path string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.rules, path)
+	return nil
+}
+
+func (f *fakeTarget) Present(path string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.rules[path]
+}
+
+func (f *fakeTarget) Check(path string, ips []netip.Addr) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.namespaces[path]; !ok {
+		return nil, fmt.Errorf("open %s: %w", path, os.ErrNotExist)
+	}
+	switch {
+	case !f.rules[path]:
+		return []string{inpod.GapTableMissing}, nil
+	case f.altered[path]:
+		return []string{inpod.GapTableAltered + ": chain output-nat has 6 rules, want 7"}, nil
+	}
+	return nil, nil
+}
+
+func (f *fakeTarget) Open(path string, ips []netip.Addr) (*os.File, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.namespaces[path]; !ok {
+		return nil, fmt.Errorf("open %s: %w", path, os.ErrNotExist)
+	}
+	return os.Open("/proc/self/ns/net")
+}
+
+func (f *fakeTarget) commands() map[string]script.Cmd {
+	return map[string]script.Cmd{
+		"netns/add": script.Command(
+			script.CmdUsage{Summary: "a pod's network namespace at PATH, holding addresses", Args: "path addr..."},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) < 1 {
+					return nil, script.ErrUsage
+				}
+				var addrs []netip.Addr
+				for _, a := range args[1:] {
+					ip, err := netip.ParseAddr(a)
+					if err != nil {
+						return nil, err
+					}
+					addrs = append(addrs, ip)
+				}
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				f.namespaces[args[0]] = addrs
+				return nil, nil
+			}),
+		"netns/del": script.Command(
+			script.CmdUsage{Summary: "the namespace at PATH goes (the sandbox died)", Args: "path"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				delete(f.namespaces, args[0])
+				delete(f.rules, args[0])
+				return nil, nil
+			}),
+		"netns/alter": script.Command(
+			script.CmdUsage{Summary: "someone deletes a rule of the redirection in PATH", Args: "path"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				f.altered[args[0]] = true
+				return nil, nil
+			}),
+		"netns/put-rules": script.Command(
+			script.CmdUsage{Summary: "the redirection is in PATH (left by an earlier agent)", Args: "path"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				f.rules[args[0]] = true
+				return nil, nil
+			}),
+		"netns/rules": script.Command(
+			script.CmdUsage{Summary: "list the namespaces holding the redirection"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				out := ""
+				for _, p := range slices.Sorted(maps.Keys(f.rules)) {
+					out += p + "\n"
+				}
+				return func(*script.State) (string, string, error) { return out, "", nil }, nil
+			}),
+	}
+}
+
+// ztunnels are ZDS clients of the script, by name.
+type ztunnels struct {
+	t       testing.TB
+	socket  string
+	mu      sync.Mutex
+	running map[string]*ztunnel
+}
+
+// ztunnel is a zds.Client serving pods in memory, as ztunnel would.
+type ztunnel struct {
+	cancel context.CancelFunc
+	done   chan error
+
+	mu     sync.Mutex
+	served map[string]string
+	refuse map[string]string
+}
+
+func (z *ztunnel) Add(uid string, info *zdsapi.WorkloadInfo, netns *os.File) error {
+	netns.Close()
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	if r := z.refuse[uid]; r != "" {
+		return fmt.Errorf("%s", r)
+	}
+	z.served[uid] = fmt.Sprintf("%s/%s sa=%s", info.GetNamespace(), info.GetName(), info.GetServiceAccount())
+	return nil
+}
+
+func (z *ztunnel) Del(uid string) {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	delete(z.served, uid)
+}
+
+func (z *ztunnel) Reconcile(keep map[string]bool) {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	for uid := range z.served {
+		if !keep[uid] {
+			delete(z.served, uid)
+		}
+	}
+}
+
+func (zs *ztunnels) stop(name string) error {
+	zs.mu.Lock()
+	z := zs.running[name]
+	delete(zs.running, name)
+	zs.mu.Unlock()
+	if z == nil {
+		return fmt.Errorf("no ztunnel %s", name)
+	}
+	z.cancel()
+	if err := <-z.done; err != nil {
+		return fmt.Errorf("ztunnel %s stopped with %w (the node agent broke the protocol)", name, err)
+	}
+	return nil
+}
+
+func (zs *ztunnels) stopAll() {
+	zs.mu.Lock()
+	names := slices.Collect(maps.Keys(zs.running))
+	zs.mu.Unlock()
+	for _, n := range names {
+		if err := zs.stop(n); err != nil {
+			zs.t.Error(err)
+		}
+	}
+}
+
+func (zs *ztunnels) get(name string) (*ztunnel, error) {
+	zs.mu.Lock()
+	defer zs.mu.Unlock()
+	z := zs.running[name]
+	if z == nil {
+		return nil, fmt.Errorf("no ztunnel %s", name)
+	}
+	return z, nil
+}
+
+func (zs *ztunnels) commands() map[string]script.Cmd {
+	return map[string]script.Cmd{
+		"ztunnel/start": script.Command(
+			script.CmdUsage{Summary: "start a ZDS client named NAME", Args: "name"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) != 1 {
+					return nil, script.ErrUsage
+				}
+				z := &ztunnel{done: make(chan error, 1), served: map[string]string{}, refuse: map[string]string{}}
+				ctx, cancel := context.WithCancel(context.Background())
+				z.cancel = cancel
+				c := &zds.Client{Path: zs.socket, Handler: z, Log: slog.New(slog.DiscardHandler), MaxBackoff: 20 * time.Millisecond}
+				go func() { z.done <- c.Run(ctx) }()
+				zs.mu.Lock()
+				zs.running[args[0]] = z
+				zs.mu.Unlock()
+				return nil, nil
+			}),
+		"ztunnel/stop": script.Command(
+			script.CmdUsage{Summary: "stop the ZDS client NAME; fails if it met a fatal protocol error", Args: "name"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				return nil, zs.stop(args[0])
+			}),
+		"ztunnel/serving": script.Command(
+			script.CmdUsage{Summary: "print the pods the ZDS client NAME serves: uid namespace/name sa=", Args: "name"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				z, err := zs.get(args[0])
+				if err != nil {
+					return nil, err
+				}
+				z.mu.Lock()
+				defer z.mu.Unlock()
+				out := ""
+				for _, uid := range slices.Sorted(maps.Keys(z.served)) {
+					out += uid + " " + z.served[uid] + "\n"
+				}
+				return func(*script.State) (string, string, error) { return out, "", nil }, nil
+			}),
+		"ztunnel/refuse": script.Command(
+			script.CmdUsage{Summary: "the ZDS client NAME refuses adds of UID with REASON (- to accept again)", Args: "name uid reason"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) != 3 {
+					return nil, script.ErrUsage
+				}
+				z, err := zs.get(args[0])
+				if err != nil {
+					return nil, err
+				}
+				z.mu.Lock()
+				defer z.mu.Unlock()
+				if args[2] == "-" {
+					delete(z.refuse, args[1])
+				} else {
+					z.refuse[args[1]] = args[2]
+				}
+				return nil, nil
+			}),
+	}
+}

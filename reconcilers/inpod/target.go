@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package inpod
+
+import (
+	"errors"
+	"net/netip"
+	"os"
+
+	"github.com/vishvananda/netns"
+)
+
+// Target is where the in-pod redirection goes: the pods' network
+// namespaces, through netlink. The cell provides that one; tests of the
+// derivation and of ZDS provide another.
+type Target interface {
+	// Apply writes the redirection of r into its namespace, which must
+	// hold r.IPs.
+	Apply(r *Redirection) error
+	// Remove deletes the redirection from the namespace at path; a
+	// namespace that is gone, or that is the node's, is left alone.
+	Remove(path string) error
+	// Present tells whether anything of the redirection is in the
+	// namespace at path; false when it cannot be opened.
+	Present(path string) bool
+	// Check reads the namespace now and returns how it differs from what
+	// Apply writes for ips, and which of ztunnel's listeners are missing.
+	Check(path string, ips []netip.Addr) ([]string, error)
+	// Open opens the namespace to hand it to ztunnel (checked to hold ips).
+	// Possible errors: one wrapping os.ErrNotExist when it is gone.
+	Open(path string, ips []netip.Addr) (*os.File, error)
+}
+
+// netlinkTarget writes into the real namespaces.
+type netlinkTarget struct{}
+
+func newNetlinkTarget() Target { return netlinkTarget{} }
+
+func (netlinkTarget) Apply(r *Redirection) error {
+	return inPodNetns(r.Netns, r.IPs, func(h netns.NsHandle) error { return applyRules(h, familiesOf(r.IPs)) })
+}
+
+func (netlinkTarget) Remove(path string) error {
+	err := inPodNetns(path, nil, removeRules)
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, ErrNodeNetns) {
+		return nil
+	}
+	return err
+}
+
+func (netlinkTarget) Present(path string) bool {
+	present := false
+	inPodNetns(path, nil, func(h netns.NsHandle) (err error) {
+		present, err = rulesPresent(h)
+		return err
+	})
+	return present
+}
+
+func (netlinkTarget) Check(path string, ips []netip.Addr) ([]string, error) {
+	var gaps []string
+	err := inPodNetns(path, ips, func(h netns.NsHandle) error {
+		rules, err := checkRules(h, familiesOf(ips))
+		if err != nil {
+			return err
+		}
+		listeners, err := checkListeners(h)
+		gaps = append(rules, listeners...)
+		return err
+	})
+	return gaps, err
+}
+
+func (netlinkTarget) Open(path string, ips []netip.Addr) (*os.File, error) {
+	return openPodNetns(path, ips)
+}

@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package inpod
+
+import (
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
+	"github.com/mtlsbridge/mtlsbridge/zds/nodeagent"
+)
+
+type zdsParams struct {
+	cell.In
+
+	Config       Config
+	Mode         steering.Config `optional:"true"`
+	Log          *slog.Logger
+	DB           *statedb.DB
+	Jobs         job.Group
+	Target       Target
+	Redirections statedb.Table[*Redirection]
+	Workloads    statedb.RWTable[*nodeagent.Workload]
+	Conns        statedb.RWTable[*nodeagent.Connection]
+	Registry     *prometheus.Registry `optional:"true"`
+}
+
+// registerZDSServer serves ztunnel in the inpod mode. A pod's namespace is
+// opened when it is sent, checked to hold the pod's addresses.
+func registerZDSServer(p zdsParams) error {
+	if p.Mode.Mode() != steering.ModeInPod {
+		return nil
+	}
+	var reg prometheus.Registerer
+	if p.Registry != nil {
+		reg = p.Registry
+	}
+	metrics, err := nodeagent.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
+	s := nodeagent.NewServer(nodeagent.Params{
+		Log: p.Log, DB: p.DB, Workloads: p.Workloads, Conns: p.Conns, Path: p.Config.ZDSSocket, Metrics: metrics,
+		Open: func(w *nodeagent.Workload) (*os.File, error) {
+			r, _, ok := p.Redirections.Get(p.DB.ReadTxn(), RedirectionByPod(w.Pod))
+			if !ok || r.Netns != w.Netns {
+				return p.Target.Open(w.Netns, nil)
+			}
+			return p.Target.Open(w.Netns, r.IPs)
+		},
+	})
+	// A socket that cannot be made (its folder not mounted yet) is tried
+	// again; meanwhile the job's health says why.
+	p.Jobs.Add(job.OneShot("zds-server", s.Run, job.WithRetry(-1, &job.ExponentialBackoff{Min: time.Second, Max: time.Minute})))
+	return nil
+}

@@ -1,0 +1,105 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package steering
+
+import (
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+)
+
+// Steering says whether a mode steers a pod's TCP to the mTLS agent, by
+// the state of the rows that do it.
+type Steering int
+
+const (
+	// Steered: everything the mode needs for the pod is in place.
+	Steered Steering = iota
+	// Settling: some of it is still being written or acknowledged; the
+	// outcome is not known yet.
+	Settling
+	// NotSteered: something failed or is missing (the pod is not
+	// enrolled, or its redirection cannot be put in place).
+	NotSteered
+)
+
+// And combines two answers: the worse one.
+func (s Steering) And(o Steering) Steering { return max(s, o) }
+
+func (s Steering) String() string {
+	switch s {
+	case Steered:
+		return "steered"
+	case Settling:
+		return "settling"
+	}
+	return "not-steered"
+}
+
+// Mode is one way of steering pods, as the askers see it. Answers read
+// tables only, so that they are consistent within a transaction and can
+// be waited for.
+type Mode interface {
+	// Name is the mode's --redirect-mode value.
+	Name() string
+	// Steering tells whether the mode steers the pod ("namespace/name")
+	// for addrs, the pod's addresses (those of the sandbox being added,
+	// for the CNI route). Detail says why when the answer is not Steered.
+	Steering(txn statedb.ReadTxn, pod string, addrs []netip.Addr) (state Steering, detail string)
+	// Watch returns channels that close when an answer may have changed.
+	Watch(txn statedb.ReadTxn) []<-chan struct{}
+	// Tables are the tables the answers come from: answers mean something
+	// only once they are all initialized.
+	Tables() []statedb.TableMeta
+}
+
+// Target is an enrolled pod of this node, for a bypass check.
+type Target struct {
+	// Pod is "namespace/name", UID its Kubernetes UID.
+	Pod, UID string
+	// IPs are its addresses as the node knows them best.
+	IPs []netip.Addr
+}
+
+// BypassChecker is implemented by modes that check the kernel themselves
+// (package bypass checks the l2 datapath).
+type BypassChecker interface {
+	// CheckBypass reads the real state now, not only the tables, and
+	// returns the gaps of each target by pod ("namespace/name"): each a
+	// reason some of the pod's TCP may go around the mTLS agent. Pods
+	// without a gap may be absent. Every gap keeps the agent not ready
+	// (the xDS acknowledgement, which package bypass adds, aside).
+	CheckBypass(txn statedb.ReadTxn, targets []Target) map[string][]string
+}
+
+// ModeOut puts a mode into the group of modes.
+type ModeOut struct {
+	cell.Out
+
+	Mode Mode `group:"redirect-modes"`
+}
+
+// Modes are the modes of the hive and the configuration that picks one.
+// Embed it in a constructor's parameters.
+type Modes struct {
+	cell.In
+
+	// Config is optional: hives without Cell (the datapath's tests) run
+	// the l2 mode.
+	Config Config `optional:"true"`
+	All    []Mode `group:"redirect-modes"`
+}
+
+// Active returns the mode --redirect-mode names.
+//
+// Possible errors: the hive has no such mode (a test hive without it).
+func (m Modes) Active() (Mode, error) {
+	for _, mode := range m.All {
+		if mode != nil && mode.Name() == m.Config.Mode() {
+			return mode, nil
+		}
+	}
+	return nil, fmt.Errorf("redirect mode %q is not in this agent", m.Config.Mode())
+}
