@@ -97,10 +97,10 @@ func (p *Policy) Selects(pod *Pod, ns *Namespace) bool {
 	return false
 }
 
-// anchors are the keys under which the policy is found from a pod: the
+// Anchors are the keys under which the policy is found from a pod: the
 // pod's namespace for a CNP, and for a CCNP one label each selector
 // requires (or MatchAll when it requires none).
-func (p *Policy) anchors() []string {
+func (p *Policy) Anchors() []string {
 	if p.Kind == KindCNP {
 		return []string{LabelKey(NamespaceLabel, p.Namespace)}
 	}
@@ -208,7 +208,7 @@ var (
 	policyAnchorIndex = statedb.Index[*Policy, string]{
 		Name: "anchor",
 		FromObject: func(p *Policy) index.KeySet {
-			if anchors := p.anchors(); len(anchors) > 0 {
+			if anchors := p.Anchors(); len(anchors) > 0 {
 				return exactKeys(anchors)
 			}
 			return index.KeySet{}
@@ -223,15 +223,6 @@ var (
 	// label LabelKey(k, v), or every pod (MatchAll).
 	PoliciesByAnchor = policyAnchorIndex.Query
 )
-
-// PoliciesByLabel is PoliciesByAnchor(LabelKey(k, v)) with the key built in
-// buf, returned for the next query: the enrollment of a pod queries one
-// anchor per label, and this costs it no allocation. The query is valid
-// until buf is reused.
-func PoliciesByLabel(buf []byte, k, v string) (statedb.Query[*Policy], []byte) {
-	buf = append(append(append(append(buf[:0], k...), '='), v...), '|')
-	return policyAnchorIndex.QueryFromKey(index.Key(buf)), buf
-}
 
 // NewPoliciesTable creates the policies table.
 func NewPoliciesTable(db *statedb.DB) (statedb.RWTable[*Policy], error) {

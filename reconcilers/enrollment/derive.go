@@ -39,6 +39,8 @@ type derivationParams struct {
 type derivation struct {
 	derivationParams
 	*reconcilers.Incremental[string]
+	// anchors caches the policies by anchor (see anchorIndex).
+	anchors *anchorIndex
 }
 
 func newDerivation(p derivationParams) (*derivation, error) {
@@ -151,7 +153,10 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 func (d *derivation) update(dirty map[string]struct{}) {
 	start := time.Now()
 	wtxn := d.DB.WriteTxn(d.Enrollments)
-	in := &inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, endpoints: d.Endpoints}
+	if d.anchors == nil || d.anchors.revision != d.Policies.Revision(wtxn) {
+		d.anchors = newAnchorIndex(wtxn, d.Policies)
+	}
+	in := &inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, endpoints: d.Endpoints, anchors: d.anchors}
 	changed := 0
 	var logged []*Enrollment
 	for key := range dirty {
@@ -159,8 +164,12 @@ func (d *derivation) update(dirty map[string]struct{}) {
 		pod, _, found := d.Pods.Get(wtxn, tables.PodByKey(key))
 		var e *Enrollment
 		if found {
-			// The addresses the sandbox got count before the API has them.
-			e = decide(d.Config, in, tables.WithPodAddrs(wtxn, d.CNIPods, pod))
+			// The addresses the sandbox got count before the API has them
+			// (cni-pods holds only this node's sandboxes).
+			if pod.NodeName == d.Node.NodeName || pod.NodeName == "" {
+				pod = tables.WithPodAddrs(wtxn, d.CNIPods, pod)
+			}
+			e = decide(d.Config, in, pod)
 		}
 		switch keep := e != nil && (e.Enrolled || e.Node == d.Node.NodeName); {
 		case keep && (!hadOld || *e != *old):

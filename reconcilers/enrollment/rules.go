@@ -29,8 +29,10 @@ type inputs struct {
 	namespaces statedb.Table[*tables.Namespace]
 	policies   statedb.Table[*tables.Policy]
 	endpoints  statedb.Table[*tables.Endpoint]
-	// anchor is the scratch buffer of policy anchor queries.
-	anchor []byte
+	// anchors, when set, answers the anchor queries instead of policies.
+	anchors *anchorIndex
+	// key is the scratch buffer of anchor keys.
+	key []byte
 }
 
 // decide applies the enrollment rules (README, "Enrollment rules") to one
@@ -89,25 +91,54 @@ func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 }
 
 // selectingPolicy returns the smallest key of the policies that require
-// authentication and select the pod, or "". Candidates come from the anchor
-// index: policies of the pod's namespace, policies anchored on one of its
-// labels, and policies that may select any pod.
+// authentication and select the pod, or "". Candidates are the policies
+// anchored on the pod's namespace, on one of its labels, or on any pod.
 func selectingPolicy(in *inputs, pod *tables.Pod, ns *tables.Namespace) string {
 	best := ""
-	consider := func(q statedb.Query[*tables.Policy]) {
-		for p := range in.policies.List(in.txn, q) {
+	consider := func(k, v string) {
+		in.key = append(append(append(in.key[:0], k...), '='), v...)
+		for _, p := range in.anchored(in.key) {
 			if key := p.Key(); (best == "" || key < best) && p.Selects(pod, ns) {
 				best = key
 			}
 		}
 	}
-	var q statedb.Query[*tables.Policy]
-	q, in.anchor = tables.PoliciesByLabel(in.anchor, tables.NamespaceLabel, pod.Namespace)
-	consider(q)
-	consider(tables.PoliciesByAnchor(tables.MatchAll))
+	consider(tables.NamespaceLabel, pod.Namespace)
+	in.key = append(in.key[:0], tables.MatchAll...)
+	for _, p := range in.anchored(in.key) {
+		if key := p.Key(); (best == "" || key < best) && p.Selects(pod, ns) {
+			best = key
+		}
+	}
 	for k, v := range pod.Labels.All() {
-		q, in.anchor = tables.PoliciesByLabel(in.anchor, k, v)
-		consider(q)
+		consider(k, v)
 	}
 	return best
+}
+
+// anchored returns the policies anchored on key ("k=v" or MatchAll).
+func (in *inputs) anchored(key []byte) []*tables.Policy {
+	if in.anchors != nil {
+		return in.anchors.policies[string(key)] // no allocation: a map lookup
+	}
+	return statedb.Collect(in.policies.List(in.txn, tables.PoliciesByAnchor(string(key))))
+}
+
+// anchorIndex is the policies table grouped by anchor, as of one revision
+// of the table. A derivation visits every label of every pod: a lookup here
+// costs a map access, where a table query costs an iterator and its
+// allocations. Policies change seldom; it is rebuilt when they do.
+type anchorIndex struct {
+	revision statedb.Revision
+	policies map[string][]*tables.Policy
+}
+
+func newAnchorIndex(txn statedb.ReadTxn, policies statedb.Table[*tables.Policy]) *anchorIndex {
+	idx := &anchorIndex{revision: policies.Revision(txn), policies: map[string][]*tables.Policy{}}
+	for p := range policies.All(txn) {
+		for _, a := range p.Anchors() {
+			idx.policies[a] = append(idx.policies[a], p)
+		}
+	}
+	return idx
 }
