@@ -214,8 +214,6 @@ func createNamespace(t *testing.T, kube kubernetes.Interface, name string, label
 	must(t, err)
 }
 
-// createPod creates a running pod bound to a node.
-
 func createObject(t *testing.T, dyn dynamic.Interface, gvr schema.GroupVersionResource, ns string, obj map[string]any) {
 	var err error
 	u := &unstructured.Unstructured{Object: obj}
@@ -246,7 +244,7 @@ func pendingInitializers(db *statedb.DB) map[string][]string {
 	return out
 }
 
-func must(t *testing.T, err error) {
+func must(t testing.TB, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)

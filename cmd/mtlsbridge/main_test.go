@@ -240,6 +240,24 @@ func TestDBShowViews(t *testing.T) {
 		t.Errorf("an unknown table: %v, want the tables named", err)
 	}
 
+	// One JSON style for every table: field names in lower camel case,
+	// versions as strings (a 64-bit number loses digits in JSON tools).
+	for _, line := range strings.Split(strings.TrimSpace(show()), "\n")[1:] {
+		table := strings.Fields(line)[0]
+		var rows []map[string]any
+		must(t, json.Unmarshal([]byte(show(table, "-o", "json")), &rows))
+		for _, r := range rows {
+			for k, v := range r {
+				if k == "" || strings.ToLower(k[:1]) != k[:1] || strings.ContainsAny(k, "_-") {
+					t.Errorf("table %s: field %q is not lower camel case", table, k)
+				}
+				if _, isNumber := v.(float64); isNumber && strings.Contains(strings.ToLower(k), "version") {
+					t.Errorf("table %s: field %q is a number, want a string", table, k)
+				}
+			}
+		}
+	}
+
 	// -w: the rows that change, as they change.
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
