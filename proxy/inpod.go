@@ -26,7 +26,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -36,6 +35,7 @@ import (
 	"golang.org/x/sys/unix"
 	"istio.io/istio/pkg/zdsapi"
 
+	"github.com/mtlsbridge/mtlsbridge/internal/nsthread"
 	"github.com/mtlsbridge/mtlsbridge/zds"
 )
 
@@ -320,28 +320,7 @@ func (p *Proxy) inboundPlain(ctx context.Context, conn *net.TCPConn, pod *inPodP
 // inNetns runs fn on an OS thread of its own in the namespace f; the
 // sockets fn makes live there. fn may block (a connect).
 func inNetns(f *os.File, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return // the thread stays locked and ends with the goroutine
-		}
-		defer orig.Close()
-		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("setns: %w", err)
-			return
-		}
-		ferr := fn()
-		if err := netns.Set(orig); err != nil {
-			errc <- errors.Join(ferr, err)
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
+	return nsthread.Do(netns.NsHandle(f.Fd()), fn)
 }
 
 // nsID identifies a namespace by its device and inode.

@@ -14,7 +14,6 @@ package netnstest
 import (
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -24,6 +23,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/nsthread"
 )
 
 // RequireEnv names the environment variable that, set to 1, turns a skipped
@@ -90,20 +91,7 @@ func NewNS(t testing.TB, prefix string) *NS {
 
 // Do runs fn on an OS thread switched into the namespace. Sockets fn opens
 // belong to the namespace and may be used from any goroutine afterwards.
-func (ns *NS) Do(fn func() error) error {
-	return onLockedThread(func() error {
-		orig, err := netns.Get()
-		if err != nil {
-			return err
-		}
-		defer orig.Close()
-		if err := netns.Set(ns.Handle); err != nil {
-			return err
-		}
-		ferr := fn()
-		return errors.Join(ferr, netns.Set(orig))
-	})
-}
+func (ns *NS) Do(fn func() error) error { return nsthread.Do(ns.Handle, fn) }
 
 // Sysctl writes a value under /proc/sys/net of the namespace, e.g.
 // Sysctl("ipv4/ip_forward", "1").

@@ -133,32 +133,7 @@ func (c *Checker) Check() ([]*Bypass, error) {
 		in.Scan, in.ScanErr = c.p.Interfaces.Scan()
 	}
 	rows := check(in)
-
-	wtxn := c.p.DB.WriteTxn(c.p.Table)
-	defer wtxn.Abort()
-	if err := c.p.Table.DeleteAll(wtxn); err != nil {
-		return nil, err
-	}
-	bypassing := 0
-	for _, r := range rows {
-		if r.Bypassing {
-			bypassing++
-		}
-		if _, _, err := c.p.Table.Insert(wtxn, r); err != nil {
-			return nil, err
-		}
-	}
-	nowReady := c.initDone != nil && (in.Disabled != nil || datapathInPlace(rows))
-	if nowReady {
-		c.initDone(wtxn)
-		c.initDone = nil
-	}
-	wtxn.Commit()
-	if nowReady {
-		close(c.ready) // after the commit: whoever wakes sees the table initialized
-	}
-	c.gauge.Set(float64(bypassing))
-	return rows, nil
+	return c.commit(rows, in.Disabled != nil || datapathInPlace(rows))
 }
 
 // Ready is closed once a check found the datapath of every enrolled pod of

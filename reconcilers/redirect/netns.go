@@ -3,13 +3,12 @@
 package redirect
 
 import (
-	"errors"
 	"fmt"
-	"runtime"
 
 	"github.com/cilium/hive/cell"
 	"github.com/vishvananda/netns"
 
+	"github.com/mtlsbridge/mtlsbridge/internal/nsthread"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
@@ -54,26 +53,5 @@ func inNetns(h netns.NsHandle, fn func() error) error {
 	if !h.IsOpen() {
 		return fn()
 	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return // the thread stays locked and dies with the goroutine
-		}
-		defer orig.Close()
-		if err := netns.Set(h); err != nil {
-			errc <- err
-			return
-		}
-		ferr := fn()
-		if err := netns.Set(orig); err != nil {
-			errc <- errors.Join(ferr, err)
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
+	return nsthread.Do(h, fn)
 }
