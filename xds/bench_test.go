@@ -177,6 +177,10 @@ func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryService
 	if err != nil {
 		b.Fatal(err)
 	}
+	acks, err := NewAcksTable(t.db)
+	if err != nil {
+		b.Fatal(err)
+	}
 	pods, err := tables.NewPodsTable(t.db)
 	if err != nil {
 		b.Fatal(err)
@@ -185,7 +189,7 @@ func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryService
 		serverParams: serverParams{
 			Config: Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Minute, XDSMaxResourcesPerResponse: defaultConfig.XDSMaxResourcesPerResponse},
 			Log:    slog.New(slog.DiscardHandler), Metrics: newMetrics(prometheus.NewRegistry()),
-			DB: t.db, Workloads: t.workloads, Clients: clients, Pods: pods, WorkloadConfig: workload.Config{ClusterID: "Kubernetes"},
+			DB: t.db, Workloads: t.workloads, Clients: clients, Acks: acks, Pods: pods, WorkloadConfig: workload.Config{ClusterID: "Kubernetes"},
 		},
 		auth: acceptAll,
 	}
