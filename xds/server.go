@@ -61,7 +61,7 @@ func newServer(p serverParams) (grpcserver.ServiceOut, error) {
 	}
 	s := &server{serverParams: p, auth: grpcserver.CallerFrom}
 	return grpcserver.ServiceOut{Service: func(srv *grpc.Server) {
-		discovery.RegisterAggregatedDiscoveryServiceServer(srv, s)
+		srv.RegisterService(serviceDesc(), s)
 	}}, nil
 }
 
@@ -71,8 +71,9 @@ func (s *server) StreamAggregatedResources(discovery.AggregatedDiscoveryService_
 	return status.Error(codes.Unimplemented, "state-of-the-world ADS is not served: use DeltaAggregatedResources")
 }
 
-// DeltaAggregatedResources serves one authenticated delta stream.
-func (s *server) DeltaAggregatedResources(grpcStream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
+// delta serves one authenticated delta stream (DeltaAggregatedResources,
+// registered through serviceDesc).
+func (s *server) delta(grpcStream deltaStream) error {
 	ctx := grpcStream.Context()
 	caller, err := s.auth(ctx)
 	if err != nil {

@@ -4,6 +4,7 @@ package xds
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -53,7 +54,7 @@ func (t *typeState) interested(uid string) bool {
 // and pushes are handled one at a time.
 type stream struct {
 	srv    *server
-	grpc   discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
+	grpc   deltaStream
 	ctx    context.Context
 	client *Client
 	types  map[string]*typeState
@@ -96,11 +97,14 @@ func (st *stream) run() error {
 	st.ctx = ctx
 	st.sendq = make(chan *discovery.DeltaDiscoveryResponse, 1)
 	st.sendErr = make(chan error, 1)
-	reqs := make(chan *discovery.DeltaDiscoveryRequest, 16)
+	reqs := make(chan request, 16)
 	recvErr := make(chan error, 1)
 	go func() {
 		for {
-			req, err := st.grpc.Recv()
+			req, err := recv(st.grpc)
+			if errors.Is(err, errMalformedRequest) {
+				err = status.Error(codes.InvalidArgument, err.Error())
+			}
 			if err != nil {
 				recvErr <- err
 				return
@@ -116,7 +120,7 @@ func (st *stream) run() error {
 		for {
 			select {
 			case resp := <-st.sendq:
-				if err := st.grpc.Send(resp); err != nil {
+				if err := st.grpc.SendMsg(resp); err != nil {
 					st.sendErr <- err
 					return
 				}
@@ -175,7 +179,7 @@ var closedChannel = func() <-chan struct{} { c := make(chan struct{}); close(c);
 
 // handle processes one request: ACK/NACK bookkeeping and subscription
 // changes, answering new subscriptions at once.
-func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
+func (st *stream) handle(req request) error {
 	ts, known := st.types[req.GetTypeUrl()]
 	if !known {
 		st.srv.Metrics.UnknownTypes.Inc()
@@ -187,7 +191,7 @@ func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
 	}
 	// What a stream holds is bounded: a client subscribing to a million
 	// names that do not exist must not keep them all.
-	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + len(req.GetInitialResourceVersions()); held > st.srv.Config.XDSMaxNames {
+	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + len(req.initial); held > st.srv.Config.XDSMaxNames {
 		st.srv.Metrics.Refused.WithLabelValues("too-many-names").Inc()
 		return status.Errorf(codes.ResourceExhausted, "%s: the stream would hold %d resource names, more than --xds-max-names=%d",
 			shortType(req.GetTypeUrl()), held, st.srv.Config.XDSMaxNames)
@@ -216,13 +220,12 @@ func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
 	if first {
 		ts.subscribed = true
 		ts.names = map[string]string{}
-		ts.held = make(map[string]uint64, len(req.GetInitialResourceVersions()))
+		ts.held = req.initial
+		if ts.held == nil {
+			ts.held = map[string]uint64{}
+		}
 		// A first request with no names at all is a legacy wildcard.
 		ts.wildcard = len(req.GetResourceNamesSubscribe()) == 0 && len(req.GetResourceNamesUnsubscribe()) == 0
-		for name, v := range req.GetInitialResourceVersions() {
-			version, _ := strconv.ParseUint(v, 16, 64)
-			ts.held[name] = version
-		}
 		if id := req.GetNode().GetId(); id != "" {
 			st.record(func(c *Client) { c.NodeID = id })
 		}
@@ -371,12 +374,11 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, workloads func(fu
 	if ts.wildcard {
 		out = make([]outgoing, 0, st.srv.Workloads.NumObjects(txn))
 	}
+	found := 0 // claims that name a workload of txn
 	for w := range workloads {
-		// Claims found in the table leave claimed: what remains names
-		// workloads that are gone.
 		version, had := claimed[w.UID]
 		if had {
-			delete(claimed, w.UID)
+			found++
 		}
 		switch {
 		case !ts.interested(w.UID):
@@ -397,7 +399,17 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, workloads func(fu
 			st.sending(ts, w)
 		}
 	}
-	return out, slicesOfKeys(claimed)
+	// Claims of workloads that are gone are removed. Usually there are
+	// none, and the claims are not looked at again.
+	var removed []string
+	if found < len(claimed) {
+		for name := range claimed {
+			if _, _, ok := st.srv.Workloads.Get(txn, workload.ByUID(name)); !ok {
+				removed = append(removed, strings.Clone(name))
+			}
+		}
+	}
+	return out, removed
 }
 
 // sending records that w goes to the client.
