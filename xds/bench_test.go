@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/netip"
 	"runtime"
+	"runtime/trace"
 	"slices"
 	"testing"
 	"time"
@@ -235,8 +236,9 @@ func (c *benchClient) until(b *testing.B, done func(*scanned) bool) {
 		if err := c.stream.RecvMsg(&resp); err != nil {
 			b.Fatal(err)
 		}
+		finished := done(&resp)
 		c.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resp.typeURL, ResponseNonce: resp.nonce})
-		if done(&resp) {
+		if finished {
 			return
 		}
 	}
@@ -395,13 +397,20 @@ func BenchmarkXDSChangeLatency(b *testing.B) {
 						time.Sleep(2 * time.Millisecond)
 						start := time.Now()
 						gen++
+						// Marks for the breakdown of a trace (-test.trace).
+						trace.Log(context.Background(), "xds-bench", "commit")
 						name := back.change(b, (k*7919)%n, gen)
+						// The clock stops when the change arrives, before
+						// the client acknowledges it.
 						c.until(b, func(resp *scanned) bool {
 							found := false
 							resp.each(func(got, _ []byte) { found = found || string(got) == name })
+							if found {
+								latencies = append(latencies, time.Since(start))
+								trace.Log(context.Background(), "xds-bench", "received")
+							}
 							return found
 						})
-						latencies = append(latencies, time.Since(start))
 					}
 					c.cancel()
 				}

@@ -82,6 +82,8 @@ type stream struct {
 
 	// logs throttles the warnings a client can repeat at will.
 	logs *logthrottle.Throttle
+	// dirty: client has changes its row does not show yet.
+	dirty bool
 }
 
 // sentWorkload is one of this node's workloads in a response.
@@ -129,7 +131,8 @@ func (st *stream) run() error {
 			}
 		}
 	}()
-	st.record(func(*Client) {})
+	st.dirty = true
+	st.flush()
 
 	var (
 		changed   <-chan struct{} // closes when the workloads table has news for us
@@ -139,7 +142,9 @@ func (st *stream) run() error {
 	for {
 		select {
 		case req := <-reqs:
-			if err := st.handle(req); err != nil {
+			err := st.handle(req)
+			st.flush()
+			if err != nil {
 				return err
 			}
 			if changed == nil && st.changes != nil && throttled == nil {
@@ -250,13 +255,13 @@ func (st *stream) handle(req request) error {
 		delete(ts.names, name)
 		delete(ts.held, name)
 	}
-	st.record(func(c *Client) {
-		if ts.wildcard {
-			c.Subscriptions[req.GetTypeUrl()] = "*"
-		} else {
-			c.Subscriptions[req.GetTypeUrl()] = strconv.Itoa(len(ts.names))
-		}
-	})
+	subscription := "*"
+	if !ts.wildcard {
+		subscription = strconv.Itoa(len(ts.names))
+	}
+	if st.client.Subscriptions[req.GetTypeUrl()] != subscription {
+		st.record(func(c *Client) { c.Subscriptions[req.GetTypeUrl()] = subscription })
+	}
 	if req.GetTypeUrl() == AuthorizationType {
 		if !first && len(added) == 0 {
 			return nil
@@ -703,14 +708,25 @@ func truncate(s string, n int) string {
 	return s
 }
 
-// record updates the stream's xds-clients row.
+// record updates the stream's xds-clients row; flush writes it. A
+// request's changes are written once, when it is handled, and a push's
+// count rides along with the next write: a push hands its response to the
+// sender without a table write in between, which on a busy node would
+// hold the sender back.
 func (st *stream) record(update func(*Client)) {
-	c := *st.client
-	c.Subscriptions = maps.Clone(st.client.Subscriptions)
-	update(&c)
-	st.client = &c
+	update(st.client)
+	st.dirty = true
+}
+
+func (st *stream) flush() {
+	if !st.dirty {
+		return
+	}
+	st.dirty = false
+	row := *st.client
+	row.Subscriptions = maps.Clone(st.client.Subscriptions)
 	txn := st.srv.DB.WriteTxn(st.srv.Clients)
-	st.srv.Clients.Insert(txn, st.client)
+	st.srv.Clients.Insert(txn, &row)
 	txn.Commit()
 }
 
