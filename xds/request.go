@@ -5,6 +5,7 @@ package xds
 import (
 	"context"
 	"errors"
+	"unicode/utf8"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
@@ -66,7 +67,13 @@ func decodeRequest(b []byte) (request, error) {
 			return request{}, err
 		}
 		entry := text[start:pos]
-		req.initial[entry[key[0]:key[1]]] = parseVersion(entry[value[0]:value[1]])
+		name, version := entry[key[0]:key[1]], entry[value[0]:value[1]]
+		// Strings of proto3 are UTF-8, as the generated decoder checks: a
+		// name that is not could not be sent back (removed).
+		if !utf8.ValidString(name) || !utf8.ValidString(version) {
+			return request{}, errMalformedRequest
+		}
+		req.initial[name] = parseVersion(version)
 	}
 	req.DeltaDiscoveryRequest = &discovery.DeltaDiscoveryRequest{}
 	if err := proto.Unmarshal(rest, req.DeltaDiscoveryRequest); err != nil {

@@ -34,7 +34,8 @@ func TestDecodeRequest(t *testing.T) {
 	if !proto.Equal(want, got.DeltaDiscoveryRequest) {
 		t.Errorf("request %v, want %v", got.DeltaDiscoveryRequest, want)
 	}
-	for _, bad := range [][]byte{{0x2a, 0x05, 0x0a}, {0xff}, {0x2a, 0x02, 0x0a, 0x09}} {
+	// Truncated, not a tag, a field past the end, a name that is not UTF-8.
+	for _, bad := range [][]byte{{0x2a, 0x05, 0x0a}, {0xff}, {0x2a, 0x02, 0x0a, 0x09}, {0x2a, 0x03, 0x0a, 0x01, 0xa8}} {
 		if _, err := decodeRequest(bad); err == nil {
 			t.Errorf("decodeRequest(%x) accepted", bad)
 		}

@@ -71,6 +71,16 @@ func (s *server) StreamAggregatedResources(discovery.AggregatedDiscoveryService_
 	return status.Error(codes.Unimplemented, "state-of-the-world ADS is not served: use DeltaAggregatedResources")
 }
 
+// newStream is the state of a new stream of caller.
+func (s *server) newStream(ctx context.Context, grpcStream deltaStream, caller grpcserver.Caller) *stream {
+	return &stream{
+		srv: s, grpc: grpcStream, ctx: ctx,
+		client: &Client{ID: s.nextID.Add(1), Pod: caller.Key(), ConnectedSince: time.Now(), Subscriptions: map[string]string{}},
+		types:  map[string]*typeState{AddressType: {}, AuthorizationType: {}},
+		logs:   logthrottle.New(10 * time.Second),
+	}
+}
+
 // delta serves one authenticated delta stream (DeltaAggregatedResources,
 // registered through serviceDesc).
 func (s *server) delta(grpcStream deltaStream) error {
@@ -79,12 +89,7 @@ func (s *server) delta(grpcStream deltaStream) error {
 	if err != nil {
 		return err
 	}
-	st := &stream{
-		srv: s, grpc: grpcStream, ctx: ctx,
-		client: &Client{ID: s.nextID.Add(1), Pod: caller.Key(), ConnectedSince: time.Now(), Subscriptions: map[string]string{}},
-		types:  map[string]*typeState{AddressType: {}, AuthorizationType: {}},
-		logs:   logthrottle.New(10 * time.Second),
-	}
+	st := s.newStream(ctx, grpcStream, caller)
 	if p, ok := peer.FromContext(ctx); ok {
 		st.client.Peer = p.Addr.String()
 	}
