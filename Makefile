@@ -6,7 +6,7 @@ BIN       ?= bin/mtlsbridge
 PKGS      ?= ./...
 BENCHTIME ?= 1s
 
-.PHONY: all build test bench lint demo kube-assets cni-plugins cilium image clean generate check-generate
+.PHONY: all build test bench fuzz soak lint demo kube-assets cni-plugins cilium image clean generate check-generate
 
 all: build
 
@@ -45,6 +45,16 @@ test: kube-assets cni-plugins cilium
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
+
+# fuzz runs each fuzz target for FUZZTIME (e.g. make fuzz FUZZTIME=1h for a
+# long run; a failing input is written under the package's testdata/fuzz).
+# `make test` runs every target's seed corpus (testdata/fuzz) as a test.
+FUZZTIME ?= 1m
+FUZZ_TARGETS = ./xds:FuzzDeltaRequests ./cni:FuzzAPIRequests ./cni/plugin:FuzzPlugin \
+	./tables/ingest:FuzzDecodeManifests ./identity:FuzzCheckRequest
+fuzz:
+	@for t in $(FUZZ_TARGETS); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$fn ($$pkg)"; \
+		$(GO) test -run '^$$' -fuzz "^$$fn$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); \
