@@ -56,6 +56,16 @@ fuzz:
 	@for t in $(FUZZ_TARGETS); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$fn ($$pkg)"; \
 		$(GO) test -run '^$$' -fuzz "^$$fn$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done
 
+# soak runs TestSoak (not part of make test): TestNeverLeak's proof for SOAK
+# (at least 50 SIGKILL restarts of the node agent with pods churning, then
+# of the mTLS agent on the two-node testbed), and stops by itself. As root.
+# SOAKTIMEOUT ends a soak that hangs.
+SOAK ?= 5m
+SOAKTIMEOUT ?= 3h
+soak: cni-plugins
+	MTLSBRIDGE_SOAK=$(SOAK) MTLSBRIDGE_REQUIRE_PRIVILEGED=1 MTLSBRIDGE_CNI_PLUGINS=$$(./hack/cni-plugins.sh) \
+		$(GO) test -count=1 -v -run '^TestSoak$$' -timeout $(SOAKTIMEOUT) ./e2e/
+
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
