@@ -113,10 +113,14 @@ func serve(b *testing.B, register func(*grpc.Server)) discovery.AggregatedDiscov
 type benchClient struct {
 	stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesClient
 	cancel context.CancelFunc
+	// keep: responses are kept whole, for their names (scanned.each).
+	keep bool
 }
 
 // scanned is a response as the benchmark client sees it.
 type scanned struct {
+	// keep asks to keep raw, for each.
+	keep    bool
 	raw     []byte
 	typeURL string
 	nonce   string
@@ -184,8 +188,16 @@ func (c scanCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !ok {
 		return c.CodecV2.Unmarshal(data, v)
 	}
-	s.raw = data.Materialize()
-	walk(s.raw, func(num protowire.Number, v []byte) {
+	// Only a response whose names are read is kept; the others go back
+	// to gRPC's pool, so that the client's garbage does not weigh on the
+	// server's collections.
+	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
+	defer buf.Free()
+	raw := buf.ReadOnlyData()
+	if s.keep {
+		s.raw = slices.Clone(raw)
+	}
+	walk(raw, func(num protowire.Number, v []byte) {
 		switch num {
 		case 2:
 			s.resources++
@@ -218,6 +230,7 @@ func open(b *testing.B, c discovery.AggregatedDiscoveryServiceClient, first any)
 // snapshot of n resources; versions, when not nil, gets their versions.
 func subscribeAll(b *testing.B, c discovery.AggregatedDiscoveryServiceClient, n int, versions map[string]string) *benchClient {
 	client := open(b, c, &discovery.DeltaDiscoveryRequest{TypeUrl: AddressType})
+	client.keep = versions != nil
 	got := 0
 	client.until(b, func(resp *scanned) bool {
 		got += resp.resources
@@ -232,7 +245,7 @@ func subscribeAll(b *testing.B, c discovery.AggregatedDiscoveryServiceClient, n 
 // until receives (and ACKs) responses until done says so.
 func (c *benchClient) until(b *testing.B, done func(*scanned) bool) {
 	for {
-		var resp scanned
+		resp := scanned{keep: c.keep}
 		if err := c.stream.RecvMsg(&resp); err != nil {
 			b.Fatal(err)
 		}
@@ -391,6 +404,7 @@ func BenchmarkXDSChangeLatency(b *testing.B) {
 				gen := 0 // each change is new content, across rounds too
 				for b.Loop() {
 					c := subscribeAll(b, client, n, nil)
+					c.keep = true
 					for k := range changes {
 						// Space changes beyond the coalescing window so that
 						// each is a push of its own.
@@ -456,6 +470,7 @@ func BenchmarkXDSReconnect(b *testing.B) {
 					}
 					b.StartTimer()
 					c := open(b, client, encoded(req))
+					c.keep = true
 					var answer []*scanned
 					got := 0
 					c.until(b, func(resp *scanned) bool {
