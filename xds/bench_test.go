@@ -339,7 +339,7 @@ func linearResource(i, gen int, changed bool) (string, cachetypes.Resource) {
 	}
 	w, _ := workload.New("Kubernetes", "cluster.local", pod, true)
 	var addr workloadapi.Address
-	proto.Unmarshal(w.Resource, &addr)
+	proto.Unmarshal([]byte(w.Resource), &addr)
 	return w.UID, &addr
 }
 

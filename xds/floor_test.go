@@ -35,7 +35,7 @@ func BenchmarkXDSFloor(b *testing.B) {
 			}
 			resp.Resources = append(resp.Resources, &discovery.Resource{
 				Name: w.UID, Version: w.VersionString(),
-				Resource: &anypb.Any{TypeUrl: AddressType, Value: w.Resource},
+				Resource: &anypb.Any{TypeUrl: AddressType, Value: []byte(w.Resource)},
 			})
 		}
 		resps = append(resps, resp)

@@ -70,7 +70,7 @@ func appendResources(b []byte, typeURL string, out []outgoing) []byte {
 		b = protowire.AppendString(b, typeURL)
 		if len(o.w.Resource) > 0 {
 			b = protowire.AppendTag(b, anyValueField, protowire.BytesType)
-			b = protowire.AppendBytes(b, o.w.Resource)
+			b = protowire.AppendString(b, o.w.Resource)
 		}
 		b = protowire.AppendTag(b, resourceNameField, protowire.BytesType)
 		b = protowire.AppendString(b, o.w.UID)
@@ -92,7 +92,7 @@ func resourceSize(typeURL string, o outgoing, versionLen int) int {
 	return n
 }
 
-func anySize(typeURL string, value []byte) int {
+func anySize(typeURL string, value string) int {
 	n := protowire.SizeTag(anyTypeURLField) + protowire.SizeBytes(len(typeURL))
 	if len(value) > 0 {
 		n += protowire.SizeTag(anyValueField) + protowire.SizeBytes(len(value))

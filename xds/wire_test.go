@@ -28,7 +28,7 @@ func TestResponseWireForm(t *testing.T) {
 			alias = "/10.0.0.1"
 		}
 		out = append(out, outgoing{w: w, alias: alias})
-		r := &discovery.Resource{Name: w.UID, Version: w.VersionString(), Resource: &anypb.Any{TypeUrl: AddressType, Value: w.Resource}}
+		r := &discovery.Resource{Name: w.UID, Version: w.VersionString(), Resource: &anypb.Any{TypeUrl: AddressType, Value: []byte(w.Resource)}}
 		if alias != "" {
 			r.Aliases = []string{alias}
 		}

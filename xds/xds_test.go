@@ -604,6 +604,12 @@ func TestWildcardToggled(t *testing.T) {
 
 	// Step 2: wildcard off: db's change is not pushed, its removal is.
 	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesUnsubscribe: []string{"*"}})
+	// Requests are handled in order: once a name asked after it is
+	// answered, wildcard is off.
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"/10.9.9.9"}})
+	if resp := z.recvType(xds.AddressType); !slices.Equal(resp.RemovedResources, []string{"/10.9.9.9"}) {
+		t.Fatalf("answer %v, want /10.9.9.9 removed", resp)
+	}
 	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.31"))
 	z.quiet(300 * time.Millisecond)
 	a.WriteManifest(t, "db.yaml", "")

@@ -22,6 +22,7 @@ const TableName = "workloads"
 // enrolled pod of the cluster.
 type Workload struct {
 	// UID is the resource name: CLUSTER_ID//Pod/NAMESPACE/NAME (see UID).
+	// It is the uid field inside Resource, not a copy of it.
 	UID string `json:"uid"`
 	// HBONE is true when the pod's redirection is in place, so peers may
 	// tunnel to it; otherwise the agent is told NONE.
@@ -29,8 +30,10 @@ type Workload struct {
 	// Version is a hash of Resource: equal content, equal version, across
 	// restarts too (clients compare it in initial_resource_versions).
 	Version uint64 `json:"version"`
-	// Resource is the encoded istio.workload.Address.
-	Resource []byte `json:"-"`
+	// Resource is the encoded istio.workload.Address: a string, as it
+	// never changes, so that UID can be a part of it (one allocation
+	// fewer for every enrolled pod of the cluster).
+	Resource string `json:"-"`
 }
 
 // VersionString is the version as sent in xDS.
@@ -42,7 +45,7 @@ func (w *Workload) TableHeader() []string {
 
 func (w *Workload) TableRow() []string {
 	var addr workloadapi.Address
-	proto.Unmarshal(w.Resource, &addr)
+	proto.Unmarshal([]byte(w.Resource), &addr)
 	wl := addr.GetWorkload()
 	addrs := make([]string, len(wl.GetAddresses()))
 	for i, a := range wl.GetAddresses() {
