@@ -6,7 +6,7 @@ BIN       ?= bin/mtlsbridge
 PKGS      ?= ./...
 BENCHTIME ?= 1s
 
-.PHONY: all build test bench lint demo kube-assets cni-plugins cilium image clean generate check-generate
+.PHONY: all build test bench fuzz soak lint demo kube-assets cni-plugins cilium image clean generate check-generate
 
 all: build
 
@@ -45,6 +45,26 @@ test: kube-assets cni-plugins cilium
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
+
+# fuzz runs each fuzz target for FUZZTIME (e.g. make fuzz FUZZTIME=1h for a
+# long run; a failing input is written under the package's testdata/fuzz).
+# `make test` runs every target's seed corpus (testdata/fuzz) as a test.
+FUZZTIME ?= 1m
+FUZZ_TARGETS = ./xds:FuzzDeltaRequests ./cni:FuzzAPIRequests ./cni/plugin:FuzzPlugin \
+	./tables/ingest:FuzzDecodeManifests ./identity:FuzzCheckRequest
+fuzz:
+	@for t in $(FUZZ_TARGETS); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$fn ($$pkg)"; \
+		$(GO) test -run '^$$' -fuzz "^$$fn$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done
+
+# soak runs TestSoak (not part of make test): TestNeverLeak's proof for SOAK
+# (at least 50 SIGKILL restarts of the node agent with pods churning, then
+# of the mTLS agent on the two-node testbed), and stops by itself. As root.
+# SOAKTIMEOUT ends a soak that hangs.
+SOAK ?= 5m
+SOAKTIMEOUT ?= 3h
+soak: cni-plugins
+	MTLSBRIDGE_SOAK=$(SOAK) MTLSBRIDGE_REQUIRE_PRIVILEGED=1 MTLSBRIDGE_CNI_PLUGINS=$$(./hack/cni-plugins.sh) \
+		$(GO) test -count=1 -v -run '^TestSoak$$' -timeout $(SOAKTIMEOUT) ./e2e/
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); \

@@ -6,8 +6,10 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 )
 
 // Nanoseconds per packet of each program, redirect vs pass, measured with
@@ -94,6 +96,75 @@ func BenchmarkAgentLookup(b *testing.B) {
 			}
 			if got != c.d.want {
 				b.Fatalf("verdict %d, want %d", int32(got), int32(c.d.want))
+			}
+		})
+	}
+}
+
+// BenchmarkFloor measures, with the same harness, what any program on this
+// path costs: an empty program (BPF_PROG_TEST_RUN's own cost per packet),
+// one lookup in a hash map shaped like the redirect map (16-byte key, hit),
+// and the MAC rewrite through bpf_skb_store_bytes. The redirect path needs
+// three lookups (the source, the destination, the agent) and the rewrite.
+func BenchmarkFloor(b *testing.B) {
+	netnstest.RequirePrivileged(b)
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Hash, KeySize: 16, ValueSize: 20, MaxEntries: 16384})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Put(make([]byte, 16), make([]byte, 20)); err != nil {
+		b.Fatal(err)
+	}
+	lookups := func(n int) asm.Instructions {
+		var insns asm.Instructions
+		insns = append(insns, asm.Mov.Reg(asm.R6, asm.R1))
+		// A zero key on the stack.
+		insns = append(insns,
+			asm.Mov.Imm(asm.R7, 0),
+			asm.StoreMem(asm.RFP, -16, asm.R7, asm.DWord),
+			asm.StoreMem(asm.RFP, -8, asm.R7, asm.DWord),
+			asm.StoreMem(asm.RFP, -24, asm.R7, asm.DWord),
+		)
+		for range n {
+			insns = append(insns,
+				asm.LoadMapPtr(asm.R1, m.FD()),
+				asm.Mov.Reg(asm.R2, asm.RFP),
+				asm.Add.Imm(asm.R2, -16),
+				asm.FnMapLookupElem.Call(),
+			)
+		}
+		return insns
+	}
+	ret := asm.Instructions{asm.Mov.Imm(asm.R0, -1), asm.Return()}
+	storeMAC := asm.Instructions{
+		asm.Mov.Reg(asm.R1, asm.R6),
+		asm.Mov.Imm(asm.R2, 0),
+		asm.Mov.Reg(asm.R3, asm.RFP),
+		asm.Add.Imm(asm.R3, -24),
+		asm.Mov.Imm(asm.R4, 6),
+		asm.Mov.Imm(asm.R5, 0),
+		asm.FnSkbStoreBytes.Call(),
+	}
+	frame := packet{src: podA, dst: remote, sport: 40000, dport: 8080}.frame()
+	for _, c := range []struct {
+		name  string
+		insns asm.Instructions
+	}{
+		{"empty", ret},
+		{"lookup", append(lookups(1), ret...)},
+		{"lookup-x3", append(lookups(3), ret...)},
+		{"store-mac", append(append(lookups(0), storeMAC...), ret...)},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.SchedCLS, Instructions: c.insns, License: "Apache-2.0"})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer prog.Close()
+			b.ResetTimer()
+			if _, err := prog.Run(&ebpf.RunOptions{Data: frame, Repeat: uint32(b.N), Reset: b.ResetTimer}); err != nil {
+				b.Fatal(err)
 			}
 		})
 	}

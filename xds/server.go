@@ -61,7 +61,7 @@ func newServer(p serverParams) (grpcserver.ServiceOut, error) {
 	}
 	s := &server{serverParams: p, auth: grpcserver.CallerFrom}
 	return grpcserver.ServiceOut{Service: func(srv *grpc.Server) {
-		discovery.RegisterAggregatedDiscoveryServiceServer(srv, s)
+		srv.RegisterService(serviceDesc(), s)
 	}}, nil
 }
 
@@ -71,19 +71,25 @@ func (s *server) StreamAggregatedResources(discovery.AggregatedDiscoveryService_
 	return status.Error(codes.Unimplemented, "state-of-the-world ADS is not served: use DeltaAggregatedResources")
 }
 
-// DeltaAggregatedResources serves one authenticated delta stream.
-func (s *server) DeltaAggregatedResources(grpcStream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
-	ctx := grpcStream.Context()
-	caller, err := s.auth(ctx)
-	if err != nil {
-		return err
-	}
-	st := &stream{
+// newStream is the state of a new stream of caller.
+func (s *server) newStream(ctx context.Context, grpcStream deltaStream, caller grpcserver.Caller) *stream {
+	return &stream{
 		srv: s, grpc: grpcStream, ctx: ctx,
 		client: &Client{ID: s.nextID.Add(1), Pod: caller.Key(), ConnectedSince: time.Now(), Subscriptions: map[string]string{}},
 		types:  map[string]*typeState{AddressType: {}, AuthorizationType: {}},
 		logs:   logthrottle.New(10 * time.Second),
 	}
+}
+
+// delta serves one authenticated delta stream (DeltaAggregatedResources,
+// registered through serviceDesc).
+func (s *server) delta(grpcStream deltaStream) error {
+	ctx := grpcStream.Context()
+	caller, err := s.auth(ctx)
+	if err != nil {
+		return err
+	}
+	st := s.newStream(ctx, grpcStream, caller)
 	if p, ok := peer.FromContext(ctx); ok {
 		st.client.Peer = p.Addr.String()
 	}

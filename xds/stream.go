@@ -4,6 +4,7 @@ package xds
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -15,7 +16,6 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
@@ -30,7 +30,10 @@ type typeState struct {
 	// alias ("network/ip") maps to the uid it resolved to.
 	names map[string]string
 	// held is what the client holds: resource name -> version (0 when the
-	// client sent a version we do not recognise: always resent).
+	// client sent a version we do not recognise: always resent). A
+	// wildcard Address stream keeps no such map once answered: its client
+	// holds exactly the workloads of the stream's view (stream.view), so
+	// that a client costs the server nothing per workload.
 	held map[string]uint64
 }
 
@@ -51,31 +54,36 @@ func (t *typeState) interested(uid string) bool {
 // and pushes are handled one at a time.
 type stream struct {
 	srv    *server
-	grpc   discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
+	grpc   deltaStream
 	ctx    context.Context
 	client *Client
 	types  map[string]*typeState
 	nonce  uint64
 
 	changes statedb.ChangeIterator[*workload.Workload]
+	// view is the snapshot of the workloads table that the last Address
+	// answer or push read: a wildcard client holds its workloads.
+	view statedb.ReadTxn
 	// sendq holds at most one response: a slow client stops the loop from
 	// building more, and changes coalesce in the table meanwhile.
 	sendq   chan *discovery.DeltaDiscoveryResponse
 	sendErr chan error
 
-	// txn is the snapshot the response being built reads from.
-	txn statedb.ReadTxn
-	// local are this node's workloads offered for the response being
-	// built (uid: HBONE); pending, what each response in flight carried
-	// of them, by nonce, until the client acknowledges it.
-	local   map[string]bool
-	pending map[uint64][]sentWorkload
+	// local tells this node's workloads apart in the response being
+	// built; localHBONE are those offered (uid: HBONE); pending, what each
+	// response in flight carried of them, by nonce, until the client
+	// acknowledges it.
+	local      func(*workload.Workload) bool
+	localHBONE map[string]bool
+	pending    map[uint64][]sentWorkload
 	// alreadyHeld are this node's workloads the client holds at their
 	// current version, found while building a response.
 	alreadyHeld []sentWorkload
 
 	// logs throttles the warnings a client can repeat at will.
 	logs *logthrottle.Throttle
+	// dirty: client has changes its row does not show yet.
+	dirty bool
 }
 
 // sentWorkload is one of this node's workloads in a response.
@@ -91,11 +99,14 @@ func (st *stream) run() error {
 	st.ctx = ctx
 	st.sendq = make(chan *discovery.DeltaDiscoveryResponse, 1)
 	st.sendErr = make(chan error, 1)
-	reqs := make(chan *discovery.DeltaDiscoveryRequest, 16)
+	reqs := make(chan request, 16)
 	recvErr := make(chan error, 1)
 	go func() {
 		for {
-			req, err := st.grpc.Recv()
+			req, err := recv(st.grpc)
+			if errors.Is(err, errMalformedRequest) {
+				err = status.Error(codes.InvalidArgument, err.Error())
+			}
 			if err != nil {
 				recvErr <- err
 				return
@@ -111,7 +122,7 @@ func (st *stream) run() error {
 		for {
 			select {
 			case resp := <-st.sendq:
-				if err := st.grpc.Send(resp); err != nil {
+				if err := st.grpc.SendMsg(resp); err != nil {
 					st.sendErr <- err
 					return
 				}
@@ -120,7 +131,8 @@ func (st *stream) run() error {
 			}
 		}
 	}()
-	st.record(func(*Client) {})
+	st.dirty = true
+	st.flush()
 
 	var (
 		changed   <-chan struct{} // closes when the workloads table has news for us
@@ -130,7 +142,9 @@ func (st *stream) run() error {
 	for {
 		select {
 		case req := <-reqs:
-			if err := st.handle(req); err != nil {
+			err := st.handle(req)
+			st.flush()
+			if err != nil {
 				return err
 			}
 			if changed == nil && st.changes != nil && throttled == nil {
@@ -170,7 +184,7 @@ var closedChannel = func() <-chan struct{} { c := make(chan struct{}); close(c);
 
 // handle processes one request: ACK/NACK bookkeeping and subscription
 // changes, answering new subscriptions at once.
-func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
+func (st *stream) handle(req request) error {
 	ts, known := st.types[req.GetTypeUrl()]
 	if !known {
 		st.srv.Metrics.UnknownTypes.Inc()
@@ -182,7 +196,7 @@ func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
 	}
 	// What a stream holds is bounded: a client subscribing to a million
 	// names that do not exist must not keep them all.
-	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + len(req.GetInitialResourceVersions()); held > st.srv.Config.XDSMaxNames {
+	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + len(req.initial); held > st.srv.Config.XDSMaxNames {
 		st.srv.Metrics.Refused.WithLabelValues("too-many-names").Inc()
 		return status.Errorf(codes.ResourceExhausted, "%s: the stream would hold %d resource names, more than --xds-max-names=%d",
 			shortType(req.GetTypeUrl()), held, st.srv.Config.XDSMaxNames)
@@ -207,16 +221,16 @@ func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
 	}
 
 	first := !ts.subscribed
+	wasWildcard := ts.wildcard
 	if first {
 		ts.subscribed = true
 		ts.names = map[string]string{}
-		ts.held = map[string]uint64{}
+		ts.held = req.initial
+		if ts.held == nil {
+			ts.held = map[string]uint64{}
+		}
 		// A first request with no names at all is a legacy wildcard.
 		ts.wildcard = len(req.GetResourceNamesSubscribe()) == 0 && len(req.GetResourceNamesUnsubscribe()) == 0
-		for name, v := range req.GetInitialResourceVersions() {
-			version, _ := strconv.ParseUint(v, 16, 64)
-			ts.held[name] = version
-		}
 		if id := req.GetNode().GetId(); id != "" {
 			st.record(func(c *Client) { c.NodeID = id })
 		}
@@ -235,24 +249,35 @@ func (st *stream) handle(req *discovery.DeltaDiscoveryRequest) error {
 			ts.wildcard = false
 			continue
 		}
-		if uid := ts.names[name]; uid != "" {
+		if uid := ts.names[name]; uid != "" && !ts.wildcard {
 			delete(ts.held, uid)
 		}
 		delete(ts.names, name)
 		delete(ts.held, name)
 	}
-	st.record(func(c *Client) {
-		if ts.wildcard {
-			c.Subscriptions[req.GetTypeUrl()] = "*"
-		} else {
-			c.Subscriptions[req.GetTypeUrl()] = strconv.Itoa(len(ts.names))
-		}
-	})
-	if !first && len(added) == 0 {
-		return nil
+	subscription := "*"
+	if !ts.wildcard {
+		subscription = strconv.Itoa(len(ts.names))
+	}
+	if st.client.Subscriptions[req.GetTypeUrl()] != subscription {
+		st.record(func(c *Client) { c.Subscriptions[req.GetTypeUrl()] = subscription })
 	}
 	if req.GetTypeUrl() == AuthorizationType {
+		if !first && len(added) == 0 {
+			return nil
+		}
 		return st.answerAuthorization(ts, added)
+	}
+	if !first && wasWildcard != ts.wildcard {
+		if ts.wildcard {
+			// The client now wants everything: what it lacks goes now.
+			return st.answerAddresses(ts, true, added)
+		}
+		// Leaving wildcard: from now on what it holds is listed.
+		st.materializeHeld(ts)
+	}
+	if !first && len(added) == 0 {
+		return nil
 	}
 	return st.answerAddresses(ts, first, added)
 }
@@ -266,50 +291,62 @@ func (st *stream) answerAuthorization(ts *typeState, added []string) error {
 	return st.send(AuthorizationType, nil, removed)
 }
 
-// answerAddresses answers a new Address subscription: on the first
-// request the whole current state (what the client does not already hold
-// at the same version, and removal of what it holds that is gone); for
-// names subscribed on demand, the workload they name.
-func (st *stream) answerAddresses(ts *typeState, first bool, added []string) error {
-	var resources []*discovery.Resource
+// answerAddresses answers an Address subscription. With snapshot (the
+// first request, or wildcard subscribed later) it sends the whole current
+// state the client wants and does not already hold at the same version,
+// and removes what it holds that is gone; then, for names subscribed on
+// demand, the workload each names.
+func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) error {
+	var out []outgoing
 	var removed []string
 	var txn statedb.ReadTxn
-	if first {
+	switch {
+	case st.changes == nil:
 		// The snapshot is read after the iterator exists, so that no
-		// deletion falls between the two.
+		// deletion falls between the two; the iterator's first batch is
+		// every workload: the snapshot.
 		wtxn := st.srv.DB.WriteTxn(st.srv.Workloads)
 		it, err := st.srv.Workloads.Changes(wtxn)
 		txn = wtxn.Commit()
 		if err != nil {
 			return err
 		}
-		st.txn = txn
 		st.changes = it
-		// What the client says it holds and is gone must be removed.
-		for name := range ts.held {
-			if _, _, found := st.srv.Workloads.Get(txn, workload.ByUID(name)); !found {
-				removed = append(removed, name)
-				delete(ts.held, name)
-			}
-		}
-		// The iterator's first batch is every workload: the snapshot.
-		n := st.srv.Workloads.NumObjects(txn)
-		if ts.wildcard && len(ts.held) < n {
-			grown := make(map[string]uint64, n)
-			maps.Copy(grown, ts.held)
-			ts.held = grown
-		}
-		alloc := newResourceSlab(n)
 		changes, _ := it.Next(txn)
-		for c := range changes {
-			if r := st.offerFrom(alloc, ts, c.Object); r != nil {
-				resources = append(resources, r)
+		out, removed = st.snapshot(ts, txn, func(yield func(*workload.Workload) bool) {
+			for c := range changes {
+				if !yield(c.Object) {
+					return
+				}
+			}
+		})
+	case snapshot:
+		// Wildcard subscribed on a stream already answered: later pushes
+		// compare against this view, so changes the iterator has not
+		// reported yet are not sent twice.
+		txn = st.srv.DB.ReadTxn()
+		out, removed = st.snapshot(ts, txn, func(yield func(*workload.Workload) bool) {
+			for w := range st.srv.Workloads.All(txn) {
+				if !yield(w) {
+					return
+				}
+			}
+		})
+	default:
+		txn = st.srv.DB.ReadTxn()
+		if ts.wildcard {
+			// The names answered below come from txn: catch up on the
+			// rest of it too, so that the client holds exactly one view.
+			var err error
+			if out, removed, err = st.changesSince(ts, txn); err != nil {
+				return err
 			}
 		}
-	} else {
-		txn = st.srv.DB.ReadTxn()
-		st.txn = txn
 	}
+	if ts.wildcard {
+		st.view = txn
+	}
+	st.local = st.localIn(txn, false)
 	for _, name := range added {
 		w := st.resolve(txn, name)
 		if w == nil {
@@ -317,15 +354,120 @@ func (st *stream) answerAddresses(ts *typeState, first bool, added []string) err
 			continue
 		}
 		ts.names[name] = w.UID
-		delete(ts.held, w.UID) // asked explicitly: always answer
-		if r := st.offer(ts, w); r != nil {
-			r.Aliases = []string{name}
-			resources = append(resources, r)
-		}
+		// Asked explicitly: always answered, even when held.
+		out = append(out, outgoing{w: w, alias: name})
+		st.sending(ts, w)
 	}
 	st.holds(st.alreadyHeld)
 	st.alreadyHeld = nil
-	return st.send(AddressType, resources, removed)
+	return st.send(AddressType, out, removed)
+}
+
+// snapshot compares the workloads of txn with what the client says it
+// holds (ts.held): it returns what to send and the held names that no
+// longer exist. A wildcard client then holds txn's view (ts.held goes); an
+// on-demand one keeps the list.
+func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, workloads func(func(*workload.Workload) bool)) ([]outgoing, []string) {
+	claimed := ts.held
+	if ts.wildcard {
+		ts.held = nil
+	} else {
+		ts.held = map[string]uint64{}
+	}
+	st.local = st.localIn(txn, true)
+	var out []outgoing
+	if ts.wildcard {
+		out = make([]outgoing, 0, st.srv.Workloads.NumObjects(txn))
+	}
+	found := 0 // claims that name a workload of txn
+	for w := range workloads {
+		version, had := claimed[w.UID]
+		if had {
+			found++
+		}
+		switch {
+		case !ts.interested(w.UID):
+			if had {
+				ts.held[w.UID] = version
+			}
+		case had && version == w.Version:
+			// The client holds this very version (it said so when it
+			// reconnected): it is acknowledged, though not sent again.
+			if !ts.wildcard {
+				ts.held[w.UID] = version
+			}
+			if st.local(w) {
+				st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: w.UID, hbone: w.HBONE})
+			}
+		default:
+			out = append(out, outgoing{w: w})
+			st.sending(ts, w)
+		}
+	}
+	// Claims of workloads that are gone are removed. Usually there are
+	// none, and the claims are not looked at again.
+	var removed []string
+	if found < len(claimed) {
+		for name := range claimed {
+			if _, _, ok := st.srv.Workloads.Get(txn, workload.ByUID(name)); !ok {
+				removed = append(removed, strings.Clone(name))
+			}
+		}
+	}
+	return out, removed
+}
+
+// sending records that w goes to the client.
+func (st *stream) sending(ts *typeState, w *workload.Workload) {
+	if !ts.wildcard {
+		ts.held[w.UID] = w.Version
+	}
+	if st.local(w) {
+		if st.localHBONE == nil {
+			st.localHBONE = map[string]bool{}
+		}
+		st.localHBONE[w.UID] = w.HBONE
+	}
+}
+
+// materializeHeld lists what a wildcard client holds (the view's
+// workloads), as it leaves wildcard.
+func (st *stream) materializeHeld(ts *typeState) {
+	ts.held = map[string]uint64{}
+	if st.view == nil {
+		return
+	}
+	for w := range st.srv.Workloads.All(st.view) {
+		ts.held[w.UID] = w.Version
+	}
+}
+
+// localIn returns a test for this node's workloads in txn. For a whole
+// snapshot (many) it reads this node's pods once instead of a pod for every
+// workload.
+func (st *stream) localIn(txn statedb.ReadTxn, many bool) func(*workload.Workload) bool {
+	node := st.srv.Node.NodeName
+	if node == "" {
+		return func(*workload.Workload) bool { return false }
+	}
+	if !many {
+		return func(w *workload.Workload) bool {
+			_, key, ok := strings.Cut(w.UID, "//Pod/")
+			if !ok {
+				return false
+			}
+			pod, _, found := st.srv.Pods.Get(txn, tables.PodByKey(key))
+			return found && pod.NodeName == node
+		}
+	}
+	uids := map[string]struct{}{}
+	for pod := range st.srv.Pods.List(txn, tables.PodsOfThisNode()) {
+		uids[workload.UID(st.srv.WorkloadConfig.ClusterID, pod.Namespace, pod.Name)] = struct{}{}
+	}
+	return func(w *workload.Workload) bool {
+		_, ok := uids[w.UID]
+		return ok
+	}
 }
 
 // resolve finds the workload an on-demand name means: a uid or "network/ip".
@@ -358,117 +500,136 @@ func (st *stream) resolve(txn statedb.ReadTxn, name string) *workload.Workload {
 	return nil
 }
 
-// offer returns the resource to send for w, or nil when the client is not
-// interested or already holds this version. It records what is sent.
-func (st *stream) offer(ts *typeState, w *workload.Workload) *discovery.Resource {
-	return st.offerFrom(newResourceSlab(1), ts, w)
-}
-
-func (st *stream) offerFrom(alloc *resourceSlab, ts *typeState, w *workload.Workload) *discovery.Resource {
-	if !ts.interested(w.UID) {
-		return nil
-	}
-	if v, ok := ts.held[w.UID]; ok && v == w.Version {
-		// The client holds this very version (it said so when it
-		// reconnected): it is acknowledged, though not sent again.
-		if st.isLocal(w) {
-			st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: w.UID, hbone: w.HBONE})
-		}
-		return nil
-	}
-	ts.held[w.UID] = w.Version
-	if st.isLocal(w) {
-		if st.local == nil {
-			st.local = map[string]bool{}
-		}
-		st.local[w.UID] = w.HBONE
-	}
-	r, a := alloc.next()
-	r.Name, r.Version, r.Resource = w.UID, w.VersionString(), a
-	a.TypeUrl, a.Value = AddressType, w.Resource
-	return r
-}
-
-// resourceSlab allocates the resources of a large push in a few blocks
-// rather than two allocations each.
-type resourceSlab struct {
-	resources []discovery.Resource
-	anys      []anypb.Any
-}
-
-func newResourceSlab(n int) *resourceSlab {
-	return &resourceSlab{resources: make([]discovery.Resource, 0, n), anys: make([]anypb.Any, 0, n)}
-}
-
-func (s *resourceSlab) next() (*discovery.Resource, *anypb.Any) {
-	if len(s.resources) == cap(s.resources) {
-		return &discovery.Resource{}, &anypb.Any{}
-	}
-	s.resources = s.resources[:len(s.resources)+1]
-	s.anys = s.anys[:len(s.anys)+1]
-	return &s.resources[len(s.resources)-1], &s.anys[len(s.anys)-1]
-}
-
-// pushChanges sends what changed in the workloads table since the last push.
-func (st *stream) pushChanges() (<-chan struct{}, error) {
-	ts := st.types[AddressType]
-	st.txn = st.srv.DB.ReadTxn()
-	changes, watch := st.changes.Next(st.txn)
-	var resources []*discovery.Resource
+// changesSince returns what changed in the workloads table since the
+// last push, up to txn: for a wildcard client against its view, for an
+// on-demand one against what it holds.
+func (st *stream) changesSince(ts *typeState, txn statedb.ReadTxn) ([]outgoing, []string, error) {
+	changes, _ := st.changes.Next(txn)
+	st.local = st.localIn(txn, false)
+	var out []outgoing
 	var removed []string
 	for c := range changes {
+		w := c.Object
 		if c.Deleted {
-			if _, held := ts.held[c.Object.UID]; held {
-				delete(ts.held, c.Object.UID)
-				removed = append(removed, c.Object.UID)
+			// An object deleted and inserted again comes as both: the
+			// table as of txn decides.
+			if _, _, back := st.srv.Workloads.Get(txn, workload.ByUID(w.UID)); back {
+				continue
+			}
+			if st.holdsNow(ts, w.UID) {
+				if !ts.wildcard {
+					delete(ts.held, w.UID)
+				}
+				removed = append(removed, w.UID)
 			}
 			continue
 		}
-		if r := st.offer(ts, c.Object); r != nil {
-			resources = append(resources, r)
+		if !ts.interested(w.UID) || st.heldVersion(ts, w) {
+			continue
 		}
+		out = append(out, outgoing{w: w})
+		st.sending(ts, w)
 	}
+	return out, removed, nil
+}
+
+// holdsNow reports whether the client holds uid.
+func (st *stream) holdsNow(ts *typeState, uid string) bool {
+	if ts.wildcard {
+		if st.view == nil {
+			return false
+		}
+		_, _, found := st.srv.Workloads.Get(st.view, workload.ByUID(uid))
+		return found
+	}
+	_, held := ts.held[uid]
+	return held
+}
+
+// heldVersion reports whether the client holds w at its version.
+func (st *stream) heldVersion(ts *typeState, w *workload.Workload) bool {
+	if ts.wildcard {
+		if st.view == nil {
+			return false
+		}
+		old, _, found := st.srv.Workloads.Get(st.view, workload.ByUID(w.UID))
+		return found && old.Version == w.Version
+	}
+	v, held := ts.held[w.UID]
+	return held && v == w.Version
+}
+
+// pushChanges sends what changed in the workloads table since the last
+// push, and returns the channel that closes on the next change.
+func (st *stream) pushChanges() (<-chan struct{}, error) {
+	ts := st.types[AddressType]
+	txn := st.srv.DB.ReadTxn()
+	out, removed, err := st.changesSince(ts, txn)
+	if err != nil {
+		return nil, err
+	}
+	if ts.wildcard {
+		st.view = txn
+	}
+	// The iterator is consumed: asking again gives the channel of the
+	// next change (or, if one came meanwhile, a closed one), rather than
+	// a closed channel that would wake the loop for nothing.
+	_, watch := st.changes.Next(txn)
 	st.holds(st.alreadyHeld)
 	st.alreadyHeld = nil
-	if len(resources) == 0 && len(removed) == 0 {
+	if len(out) == 0 && len(removed) == 0 {
 		return watch, nil
 	}
-	return watch, st.send(AddressType, resources, removed)
+	return watch, st.send(AddressType, out, removed)
 }
 
 // send queues responses of at most XDSMaxResourcesPerResponse resources
 // (removals go with the first). An empty answer is still one response.
-func (st *stream) send(typeURL string, resources []*discovery.Resource, removed []string) error {
+func (st *stream) send(typeURL string, out []outgoing, removed []string) error {
 	max := st.srv.Config.XDSMaxResourcesPerResponse
-	for first := true; first || len(resources) > 0; first = false {
-		n := min(len(resources), max)
+	var timeout *time.Timer
+	defer func() {
+		if timeout != nil {
+			timeout.Stop()
+		}
+	}()
+	count := 0
+	defer func() {
+		if count > 0 {
+			st.srv.Metrics.ResourcesSent.WithLabelValues(shortType(typeURL)).Add(float64(count))
+			st.record(func(c *Client) { c.ResourcesSent += count })
+		}
+	}()
+	for first := true; first || len(out) > 0; first = false {
+		n := min(len(out), max)
 		st.nonce++
-		resp := &discovery.DeltaDiscoveryResponse{
-			TypeUrl:   typeURL,
-			Resources: resources[:n],
-			Nonce:     strconv.FormatUint(st.nonce, 10),
-		}
+		var rm []string
 		if first {
-			resp.RemovedResources = removed
+			rm = removed
 		}
-		st.track(st.nonce, resp)
-		resources = resources[n:]
-		timeout := time.NewTimer(st.srv.Config.XDSSendTimeout)
+		resp := newResponse(typeURL, strconv.FormatUint(st.nonce, 10), out[:n], rm)
+		st.track(st.nonce, typeURL, out[:n], rm)
+		out = out[n:]
 		select {
 		case st.sendq <- resp:
-			timeout.Stop()
-		case err := <-st.sendErr:
-			timeout.Stop()
-			return err
-		case <-st.ctx.Done():
-			timeout.Stop()
-			return st.ctx.Err()
-		case <-timeout.C:
-			return fmt.Errorf("client took no response for %s: closing the stream", st.srv.Config.XDSSendTimeout)
+		default:
+			// The sender is busy: wait, but not forever.
+			if timeout == nil {
+				timeout = time.NewTimer(st.srv.Config.XDSSendTimeout)
+			} else {
+				timeout.Reset(st.srv.Config.XDSSendTimeout)
+			}
+			select {
+			case st.sendq <- resp:
+			case err := <-st.sendErr:
+				return err
+			case <-st.ctx.Done():
+				return st.ctx.Err()
+			case <-timeout.C:
+				return fmt.Errorf("client took no response for %s: closing the stream", st.srv.Config.XDSSendTimeout)
+			}
 		}
-		count := len(resp.Resources) + len(resp.RemovedResources)
-		st.srv.Metrics.ResourcesSent.WithLabelValues(shortType(typeURL)).Add(float64(count))
-		st.record(func(c *Client) { c.ResourcesSent += count })
+		count += n + len(rm)
 	}
 	return nil
 }
@@ -509,32 +670,19 @@ func (st *stream) holds(sent []sentWorkload) {
 	txn.Commit()
 }
 
-// isLocal reports whether w is the workload of a pod of this node.
-func (st *stream) isLocal(w *workload.Workload) bool {
-	if st.srv.Node.NodeName == "" || st.txn == nil {
-		return false
-	}
-	_, key, ok := strings.Cut(w.UID, "//Pod/")
-	if !ok {
-		return false
-	}
-	pod, _, found := st.srv.Pods.Get(st.txn, tables.PodByKey(key))
-	return found && pod.NodeName == st.srv.Node.NodeName
-}
-
 // track remembers what response nonce carries of this node's workloads.
-func (st *stream) track(nonce uint64, resp *discovery.DeltaDiscoveryResponse) {
-	if resp.TypeUrl != AddressType {
+func (st *stream) track(nonce uint64, typeURL string, out []outgoing, removed []string) {
+	if typeURL != AddressType {
 		return
 	}
 	var sent []sentWorkload
-	for _, r := range resp.Resources {
-		if hbone, ok := st.local[r.Name]; ok {
-			sent = append(sent, sentWorkload{uid: r.Name, hbone: hbone})
-			delete(st.local, r.Name)
+	for _, o := range out {
+		if hbone, ok := st.localHBONE[o.w.UID]; ok {
+			sent = append(sent, sentWorkload{uid: o.w.UID, hbone: hbone})
+			delete(st.localHBONE, o.w.UID)
 		}
 	}
-	for _, uid := range resp.RemovedResources {
+	for _, uid := range removed {
 		sent = append(sent, sentWorkload{uid: uid, removed: true})
 	}
 	if len(sent) == 0 {
@@ -560,14 +708,25 @@ func truncate(s string, n int) string {
 	return s
 }
 
-// record updates the stream's xds-clients row.
+// record updates the stream's xds-clients row; flush writes it. A
+// request's changes are written once, when it is handled, and a push's
+// count rides along with the next write: a push hands its response to the
+// sender without a table write in between, which on a busy node would
+// hold the sender back.
 func (st *stream) record(update func(*Client)) {
-	c := *st.client
-	c.Subscriptions = maps.Clone(st.client.Subscriptions)
-	update(&c)
-	st.client = &c
+	update(st.client)
+	st.dirty = true
+}
+
+func (st *stream) flush() {
+	if !st.dirty {
+		return
+	}
+	st.dirty = false
+	row := *st.client
+	row.Subscriptions = maps.Clone(st.client.Subscriptions)
 	txn := st.srv.DB.WriteTxn(st.srv.Clients)
-	st.srv.Clients.Insert(txn, st.client)
+	st.srv.Clients.Insert(txn, &row)
 	txn.Commit()
 }
 

@@ -575,3 +575,45 @@ func counterValue(t *testing.T, a *agenttest.Agent, name string) float64 {
 	t.Fatalf("no metric %s", name)
 	return 0
 }
+
+// A client may turn wildcard on and off on a live stream: turned on, it
+// receives what it lacks (not what it already holds); turned off, it hears
+// only of its names, and of the removal of what it still holds.
+func TestWildcardToggled(t *testing.T) {
+	a := startAgent(t)
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.subscribe(xds.AddressType, nil, true)
+	z.ack(z.recvType(xds.AddressType))
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"/10.0.1.10"}})
+	if resp := z.recvType(xds.AddressType); !slices.Equal(names(resp), []string{webUID}) {
+		t.Fatalf("on-demand answer %v, want web", names(resp))
+	}
+
+	// Step 1: wildcard on: api comes, web (held) does not come again.
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"*"}})
+	if resp := z.recvType(xds.AddressType); !slices.Equal(names(resp), []string{apiUID}) {
+		t.Fatalf("wildcard answer %v, want api only", names(resp))
+	}
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.30"))
+	if resp := z.recvType(xds.AddressType); !slices.Equal(names(resp), []string{"Kubernetes//Pod/app/db"}) {
+		t.Fatalf("push %v, want db", names(resp))
+	}
+
+	// Step 2: wildcard off: db's change is not pushed, its removal is.
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesUnsubscribe: []string{"*"}})
+	// Requests are handled in order: once a name asked after it is
+	// answered, wildcard is off.
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"/10.9.9.9"}})
+	if resp := z.recvType(xds.AddressType); !slices.Equal(resp.RemovedResources, []string{"/10.9.9.9"}) {
+		t.Fatalf("answer %v, want /10.9.9.9 removed", resp)
+	}
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.31"))
+	z.quiet(300 * time.Millisecond)
+	a.WriteManifest(t, "db.yaml", "")
+	if resp := z.recvType(xds.AddressType); len(resp.Resources) != 0 || !slices.Equal(resp.RemovedResources, []string{"Kubernetes//Pod/app/db"}) {
+		t.Fatalf("push %v, want db removed", resp)
+	}
+}

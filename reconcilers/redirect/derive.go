@@ -60,14 +60,17 @@ type derivation struct {
 
 // Pacing of the derivation: changes that come together (a CNI report and
 // the enrollment it makes, a pod's veth and its addresses) are taken in one
-// pass, bursts of netlink events make at most one pass per minPassInterval,
-// and rows with problems are retried with backoff.
+// pass; passes (a scan of the node's interfaces, which grows with its pods)
+// take at most 1/passDuty of the time, so that netlink events of pods
+// churning on a large node do not keep a core scanning, while on a node
+// whose scan takes a millisecond a pod's veth is seen within a few; rows
+// with problems are retried with backoff.
 const (
-	settle          = 5 * time.Millisecond
-	minPassInterval = 50 * time.Millisecond
-	minRetry        = 500 * time.Millisecond
-	maxRetry        = 30 * time.Second
-	initScanGrace   = 10 * time.Second
+	settle        = 2 * time.Millisecond
+	passDuty      = 5
+	minRetry      = 500 * time.Millisecond
+	maxRetry      = 30 * time.Second
+	initScanGrace = 10 * time.Second
 )
 
 func registerDerivation(p derivationParams) {
@@ -94,11 +97,12 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 
 	retry := minRetry
 	start := time.Now()
+	var nextPass time.Time
 	for {
-		passStart := time.Now()
 		changed := d.Interfaces.Changed()
 		var scan Scan
 		var scanErr error
+		passStart := time.Now() // what a pass costs paces the next
 		if !d.disabled {
 			scan, scanErr = d.Interfaces.Scan()
 		}
@@ -109,6 +113,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		// this for initScanGrace at most.
 		complete := scanErr == nil || time.Since(start) > initScanGrace
 		watches, problems := d.pass(scan, scanErr, complete)
+		nextPass = time.Now().Add((passDuty - 1) * time.Since(passStart))
 		switch {
 		case d.disabled:
 			health.OK(fmt.Sprintf("%d redirects desired, none applied: %v", d.Redirects.NumObjects(d.DB.ReadTxn()), ErrDisabled))
@@ -137,7 +142,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(max(settle, time.Until(passStart.Add(minPassInterval)))):
+		case <-time.After(max(settle, time.Until(nextPass))):
 		}
 	}
 }

@@ -160,7 +160,13 @@ func New(clusterID, trustDomain string, pod *tables.Pod, hbone bool) (*Workload,
 	}
 	h := fnv.New64a()
 	h.Write(b)
-	return &Workload{UID: uid, HBONE: hbone, Version: h.Sum64(), Resource: b}, nil
+	resource := string(b)
+	// The uid field is in the resource (nothing before it can hold
+	// "//Pod/"): the name shares its memory.
+	if i := strings.Index(resource, uid); i >= 0 {
+		uid = resource[i : i+len(uid)]
+	}
+	return &Workload{UID: uid, HBONE: hbone, Version: h.Sum64(), Resource: resource}, nil
 }
 
 // Canonical names as Istio derives them from the recommended labels.

@@ -26,6 +26,7 @@ const TableName = "workloads"
 // enrolled pod of the cluster.
 type Workload struct {
 	// UID is the resource name: CLUSTER_ID//Pod/NAMESPACE/NAME (see UID).
+	// It is the uid field inside Resource, not a copy of it.
 	UID string `json:"uid"`
 	// HBONE is true when the pod's redirection is in place, so peers may
 	// tunnel to it; otherwise the agent is told NONE.
@@ -33,15 +34,17 @@ type Workload struct {
 	// Version is a hash of Resource: equal content, equal version, across
 	// restarts too (clients compare it in initial_resource_versions).
 	Version uint64 `json:"version"`
-	// Resource is the encoded istio.workload.Address.
-	Resource []byte `json:"-"`
+	// Resource is the encoded istio.workload.Address: a string, as it
+	// never changes, so that UID can be a part of it (one allocation
+	// fewer for every enrolled pod of the cluster).
+	Resource string `json:"-"`
 }
 
 // Decode returns the Workload the resource holds (for display: the table
 // keeps it encoded).
 func (w *Workload) Decode() *workloadapi.Workload {
 	var addr workloadapi.Address
-	proto.Unmarshal(w.Resource, &addr)
+	proto.Unmarshal([]byte(w.Resource), &addr)
 	return addr.GetWorkload()
 }
 

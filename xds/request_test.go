@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package xds
+
+import (
+	"fmt"
+	"maps"
+	"testing"
+
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/protobuf/proto"
+)
+
+// decodeRequest reads what the generated decoder reads, with the initial
+// versions parsed apart.
+func TestDecodeRequest(t *testing.T) {
+	want := &discovery.DeltaDiscoveryRequest{
+		TypeUrl: AddressType, ResponseNonce: "3",
+		ResourceNamesSubscribe: []string{"*", "/10.0.0.1"}, ResourceNamesUnsubscribe: []string{"x"},
+		InitialResourceVersions: map[string]string{"a": "1f", "b": "stale", "c": "", "": "2"},
+	}
+	b, err := proto.Marshal(want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := decodeRequest(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !maps.Equal(got.initial, map[string]uint64{"a": 0x1f, "b": 0, "c": 0, "": 2}) {
+		t.Errorf("initial versions %v", got.initial)
+	}
+	want.InitialResourceVersions = nil
+	if !proto.Equal(want, got.DeltaDiscoveryRequest) {
+		t.Errorf("request %v, want %v", got.DeltaDiscoveryRequest, want)
+	}
+	// Truncated, not a tag, a field past the end, a name that is not UTF-8.
+	for _, bad := range [][]byte{{0x2a, 0x05, 0x0a}, {0xff}, {0x2a, 0x02, 0x0a, 0x09}, {0x2a, 0x03, 0x0a, 0x01, 0xa8}} {
+		if _, err := decodeRequest(bad); err == nil {
+			t.Errorf("decodeRequest(%x) accepted", bad)
+		}
+	}
+}
+
+func BenchmarkDecodeRequest(b *testing.B) {
+	versions := map[string]string{}
+	for i := range 100_000 {
+		versions[fmt.Sprintf("Kubernetes//Pod/ns-%d/pod-%d-0", i%1000, i)] = "9f3c2a1b4d5e6f70"
+	}
+	raw, _ := proto.Marshal(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, InitialResourceVersions: versions})
+	b.Run("direct", func(b *testing.B) {
+		for b.Loop() {
+			decodeRequest(raw)
+		}
+	})
+	b.Run("generated", func(b *testing.B) {
+		for b.Loop() {
+			var r discovery.DeltaDiscoveryRequest
+			proto.Unmarshal(raw, &r)
+		}
+	})
+}
