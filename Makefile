@@ -51,19 +51,21 @@ bench:
 # `make test` runs every target's seed corpus (testdata/fuzz) as a test.
 FUZZTIME ?= 1m
 FUZZ_TARGETS = ./xds:FuzzDeltaRequests ./cni:FuzzAPIRequests ./cni/plugin:FuzzPlugin \
-	./tables/ingest:FuzzDecodeManifests ./identity:FuzzCheckRequest
+	./tables/ingest:FuzzDecodeManifests ./identity:FuzzCheckRequest \
+	./zds/nodeagent:FuzzClientMessages
 fuzz:
 	@for t in $(FUZZ_TARGETS); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$fn ($$pkg)"; \
 		$(GO) test -run '^$$' -fuzz "^$$fn$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; done
 
 # soak runs TestSoak (not part of make test): TestNeverLeak's proof for SOAK
 # (at least 50 SIGKILL restarts of the node agent with pods churning, then
-# of the mTLS agent on the two-node testbed), and stops by itself. As root.
-# SOAKTIMEOUT ends a soak that hangs.
+# of the mTLS agent on the two-node testbed, then 10 of its API server), and
+# stops by itself. As root. SOAKTIMEOUT ends a soak that hangs.
 SOAK ?= 5m
 SOAKTIMEOUT ?= 3h
-soak: cni-plugins
+soak: kube-assets cni-plugins
 	MTLSBRIDGE_SOAK=$(SOAK) MTLSBRIDGE_REQUIRE_PRIVILEGED=1 MTLSBRIDGE_CNI_PLUGINS=$$(./hack/cni-plugins.sh) \
+		MTLSBRIDGE_KUBE_ASSETS=$$(./hack/kube-assets.sh) \
 		$(GO) test -count=1 -v -run '^TestSoak$$' -timeout $(SOAKTIMEOUT) ./e2e/
 
 lint:

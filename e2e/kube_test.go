@@ -41,17 +41,19 @@ func TestMTLSKubernetes(t *testing.T) {
 // over loopback only.
 type kubeCluster struct {
 	t          testing.TB
+	server     *kubetest.Server
 	kube       kubernetes.Interface
 	host       string
 	kubeconfig string
 }
 
 func newKubeCluster(t testing.TB) *kubeCluster {
-	cfg := kubetest.Start(t)
+	srv := kubetest.StartServer(t, kubetest.Options{})
+	cfg := srv.Config
 	kubetest.ApplyCiliumCRDs(t, cfg)
 	u, err := url.Parse(cfg.Host)
 	must(t, err)
-	return &kubeCluster{t: t, kube: kubernetes.NewForConfigOrDie(cfg), host: u.Host, kubeconfig: kubetest.WriteKubeconfig(t, cfg)}
+	return &kubeCluster{t: t, server: srv, kube: kubernetes.NewForConfigOrDie(cfg), host: u.Host, kubeconfig: kubetest.WriteKubeconfig(t, cfg)}
 }
 
 func (c *kubeCluster) init(b *bed) {

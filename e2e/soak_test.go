@@ -16,8 +16,12 @@ import (
 )
 
 // soakRestarts is the least number of SIGKILL restarts of each agent a
-// soak makes, however short it is asked to be.
-const soakRestarts = 50
+// soak makes, however short it is asked to be; soakAPIRestarts of the
+// API server (each takes seconds).
+const (
+	soakRestarts    = 50
+	soakAPIRestarts = 10
+)
 
 // soakDuration is how long each part of TestSoak runs: MTLSBRIDGE_SOAK
 // (a Go duration, `make soak SOAK=30m`); TestSoak is skipped without it.
@@ -38,12 +42,15 @@ func soakDuration(t *testing.T) time.Duration {
 // start and go for the whole duration, and then the mTLS agent (the
 // reference proxy, on the two-node testbed) killed with SIGKILL and
 // restarted as many times, its node agent too every fifth time, while
-// enrolled pods talk across nodes. No segment from an enrolled pod's
+// enrolled pods talk across nodes, and then the API server of a two-node
+// testbed in Kubernetes mode killed and restarted, the node agent too
+// while it is down every other time. No segment from an enrolled pod's
 // address may cross the wire in clear.
 func TestSoak(t *testing.T) {
 	d := soakDuration(t)
 	t.Run("node-agent", func(t *testing.T) { soakNodeAgent(t, d) })
 	t.Run("mtls-agent", func(t *testing.T) { soakMTLSAgent(t, d) })
+	t.Run("api-server", func(t *testing.T) { soakAPIServer(t, d) })
 }
 
 // soakNodeAgent: TestNeverLeak's node, its pods cycling through new
@@ -188,4 +195,56 @@ func soakMTLSAgent(t *testing.T, d time.Duration) {
 	t.Logf("soak %s: %d mTLS agent restarts (SIGKILL), %d node agent restarts with it, %d flows a1 -> b1 "+
 		"(%d refused while the proxy was down), %d segments on the underlay, %d flows in clear",
 		d, restarts, agentRestarts, flows, failedDown, len(b.underlay.Segments()), clear)
+}
+
+// soakAPIServer: on the two-node testbed in Kubernetes mode, the API server
+// is killed and started again; while it is down, a1 -> b1 must stay mTLS
+// (nothing needs the API server once the pods are known), and every other
+// time node-a's agent is killed (SIGKILL) and started again without an API
+// server to sync from: then a1's connections may fail, never go in clear.
+// Once the API server is back, they are mTLS.
+func soakAPIServer(t *testing.T, d time.Duration) {
+	c := newKubeCluster(t)
+	b := newBed(t, c)
+	na := b.nodes[0]
+	a1, b1 := na.addPod("a1", "app", true, false), b.nodes[1].addPod("b1", "app", true, false)
+	b.knows(na, a1, b1, true)
+	var flows, failed, clear int
+	check := func(f *flow, mayFail bool) {
+		flows++
+		if plain := f.plainSegments(); len(plain) > 0 || f.visible {
+			clear++
+			t.Errorf("a1 -> b1: in clear on the underlay: visible %v, %v", f.visible, plain)
+		}
+		if mayFail && f.err != nil {
+			failed++
+			return
+		}
+		expectMTLS(t, f)
+	}
+	restarts, agentRestarts := 0, 0
+	end := time.Now().Add(d)
+	for (restarts < soakAPIRestarts || time.Now().Before(end)) && !t.Failed() {
+		v6 := restarts%2 == 1
+		c.server.Kill()
+		check(b.run(a1, b1, v6), false)
+		withAgent := restarts%2 == 1
+		if withAgent {
+			na.killAgent()
+			na.startAgent()
+			time.Sleep(time.Duration(500+rand.IntN(1500)) * time.Millisecond)
+			check(b.run(a1, b1, !v6), true)
+			agentRestarts++
+		}
+		c.server.StartAgain(t)
+		if withAgent {
+			na.waitAgent()
+		}
+		b.knows(na, a1, b1, true)
+		check(b.run(a1, b1, v6), false)
+		restarts++
+	}
+	t.Logf("soak %s: %d API server restarts (SIGKILL), %d node agent restarts (SIGKILL) while it was down, "+
+		"%d flows a1 -> b1 (%d failed while node-a's agent had no API server), %d segments on the underlay, %d flows in clear",
+		d, restarts, agentRestarts, flows, failed, len(b.underlay.Segments()), clear)
 }

@@ -129,8 +129,19 @@ type Server struct {
 // of the control plane does. It returns once the server is ready again.
 func (s *Server) Restart(t testing.TB, down time.Duration) {
 	t.Helper()
-	s.apiserver.kill()
+	s.Kill()
 	time.Sleep(down)
+	s.StartAgain(t)
+}
+
+// Kill kills kube-apiserver (etcd keeps running); StartAgain brings it
+// back.
+func (s *Server) Kill() { s.apiserver.kill() }
+
+// StartAgain starts the killed kube-apiserver on the same port with the
+// same state, and returns once it is ready.
+func (s *Server) StartAgain(t testing.TB) {
+	t.Helper()
 	s.apiserver = startProcess(t, "kube-apiserver", s.bin, s.logPath, s.args...)
 	if err := waitFor(s.apiserver, startTimeout, func() (bool, error) { return readyz(s.Config) }); err != nil {
 		t.Fatalf("kubetest: kube-apiserver not ready after a restart: %v\n%s", err, s.apiserver.logTail())
