@@ -4,11 +4,11 @@ package xds
 
 import (
 	"strconv"
-	"strings"
 
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/index"
 
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -32,7 +32,7 @@ func (a *Ack) key() index.Key {
 }
 
 func (a *Ack) Scope() tables.Scope {
-	_, pod, _ := strings.Cut(a.UID, "//Pod/")
+	pod, _ := workload.PodOf(a.UID)
 	return tables.PodScope(pod, "")
 }
 

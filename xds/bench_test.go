@@ -438,9 +438,10 @@ func BenchmarkXDSChangeLatency(b *testing.B) {
 
 // BenchmarkXDSReconnect: a client that held every workload reconnects with
 // initial_resource_versions for all of them: time from opening the stream
-// (its request already encoded) to the end of the server's answer, and the resources resent (reported
-// as resent/op: none when nothing changed, only the changed ones
-// otherwise). go-control-plane answers nothing when nothing changed, so
+// (its request already encoded) to the end of the server's answer, and the
+// resources resent (resent/op: none when nothing changed, only the changed
+// ones otherwise; unchanged-resent/op counts those the client held as they
+// are). go-control-plane answers nothing when nothing changed, so
 // its unchanged case has no end of answer to time and is skipped.
 func BenchmarkXDSReconnect(b *testing.B) {
 	const n = 100_000
@@ -455,13 +456,14 @@ func BenchmarkXDSReconnect(b *testing.B) {
 				versions := map[string]string{}
 				subscribeAll(b, client, n, versions).cancel()
 				changed := n * changedPct / 100
-				resent, gen := 0, 0
+				resent, unchanged, gen := 0, 0, 0
 				b.ResetTimer()
 				for round := 0; round < b.N; round++ {
 					b.StopTimer()
+					changedUIDs := map[string]bool{}
 					for k := range changed {
 						gen++
-						back.change(b, (k*(100/changedPct)+round)%n, gen)
+						changedUIDs[back.change(b, (k*(100/changedPct)+round)%n, gen)] = true
 					}
 					// Encoded before the clock runs: the client's cost.
 					req, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, InitialResourceVersions: versions})
@@ -483,11 +485,17 @@ func BenchmarkXDSReconnect(b *testing.B) {
 					resent += got
 					// The client now holds the changed ones as they are.
 					for _, resp := range answer {
-						resp.each(func(name, version []byte) { versions[string(name)] = string(version) })
+						resp.each(func(name, version []byte) {
+							if !changedUIDs[string(name)] {
+								unchanged++
+							}
+							versions[string(name)] = string(version)
+						})
 					}
 					b.StartTimer()
 				}
 				b.ReportMetric(float64(resent)/float64(b.N), "resent/op")
+				b.ReportMetric(float64(unchanged)/float64(b.N), "unchanged-resent/op")
 			})
 		}
 	}

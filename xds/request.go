@@ -9,6 +9,8 @@ import (
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -35,10 +37,16 @@ var errMalformedRequest = errors.New("malformed DeltaDiscoveryRequest")
 // cluster: decoded into the message's map by the generic decoder they cost
 // about 30 times what this direct reading of the entries costs, so they
 // are parsed here and the rest of the message is decoded as usual.
-func decodeRequest(b []byte) (request, error) {
+//
+// More than maxNames entries are refused before any is decoded: a 16 MB
+// request of empty entries would otherwise cost half a gigabyte of map.
+func decodeRequest(b []byte, maxNames int) (request, error) {
 	entries, err := countInitialVersions(b)
 	if err != nil {
 		return request{}, err
+	}
+	if entries > maxNames {
+		return request{}, status.Errorf(codes.ResourceExhausted, "%d initial_resource_versions, more than --xds-max-names=%d", entries, maxNames)
 	}
 	var req request
 	// The names are cut from one copy of the request rather than copied
@@ -163,7 +171,8 @@ func mapEntry(b []byte) (key, value [2]int, err error) {
 // the bytes (for decodeRequest) instead of decoding them.
 type rawRequest struct{ b []byte }
 
-var requestType = (&discovery.DeltaDiscoveryRequest{}).ProtoReflect()
+// requestType is read-only (a nil message): every stream shares it.
+var requestType = (*discovery.DeltaDiscoveryRequest)(nil).ProtoReflect()
 
 func (r *rawRequest) Reset()                             { r.b = r.b[:0] }
 func (r *rawRequest) ProtoReflect() protoreflect.Message { return rawMessage{requestType, r} }
@@ -209,10 +218,10 @@ func serviceDesc() *grpc.ServiceDesc {
 }
 
 // recv reads the next request from the stream.
-func recv(s deltaStream) (request, error) {
+func recv(s deltaStream, maxNames int) (request, error) {
 	var raw rawRequest
 	if err := s.RecvMsg(&raw); err != nil {
 		return request{}, err
 	}
-	return decodeRequest(raw.b)
+	return decodeRequest(raw.b, maxNames)
 }

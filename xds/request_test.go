@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -23,7 +25,7 @@ func TestDecodeRequest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := decodeRequest(b)
+	got, err := decodeRequest(b, 4)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,9 +38,14 @@ func TestDecodeRequest(t *testing.T) {
 	}
 	// Truncated, not a tag, a field past the end, a name that is not UTF-8.
 	for _, bad := range [][]byte{{0x2a, 0x05, 0x0a}, {0xff}, {0x2a, 0x02, 0x0a, 0x09}, {0x2a, 0x03, 0x0a, 0x01, 0xa8}} {
-		if _, err := decodeRequest(bad); err == nil {
+		if _, err := decodeRequest(bad, 4); err == nil {
 			t.Errorf("decodeRequest(%x) accepted", bad)
 		}
+	}
+	// More initial versions than a stream may hold: refused before they
+	// are decoded.
+	if _, err := decodeRequest(b, 3); status.Code(err) != codes.ResourceExhausted {
+		t.Errorf("4 initial versions, at most 3: %v, want ResourceExhausted", err)
 	}
 }
 
@@ -50,7 +57,7 @@ func BenchmarkDecodeRequest(b *testing.B) {
 	raw, _ := proto.Marshal(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, InitialResourceVersions: versions})
 	b.Run("direct", func(b *testing.B) {
 		for b.Loop() {
-			decodeRequest(raw)
+			decodeRequest(raw, len(versions))
 		}
 	})
 	b.Run("generated", func(b *testing.B) {

@@ -29,6 +29,8 @@ type typeState struct {
 	// names are the explicitly subscribed resource names (on-demand); an
 	// alias ("network/ip") maps to the uid it resolved to.
 	names map[string]string
+	// resolved counts the names resolved to each uid.
+	resolved map[string]int
 	// held is what the client holds: resource name -> version (0 when the
 	// client sent a version we do not recognise: always resent). A
 	// wildcard Address stream keeps no such map once answered: its client
@@ -38,16 +40,23 @@ type typeState struct {
 }
 
 // interested reports whether the client wants a resource.
-func (t *typeState) interested(uid string) bool {
-	if t.wildcard {
-		return true
-	}
-	for _, resolved := range t.names {
-		if resolved == uid {
-			return true
+func (t *typeState) interested(uid string) bool { return t.wildcard || t.resolved[uid] > 0 }
+
+// resolve records that name means uid.
+func (t *typeState) resolve(name, uid string) {
+	t.drop(name)
+	t.names[name] = uid
+	t.resolved[uid]++
+}
+
+// drop forgets name.
+func (t *typeState) drop(name string) {
+	if uid := t.names[name]; uid != "" {
+		if t.resolved[uid]--; t.resolved[uid] <= 0 {
+			delete(t.resolved, uid)
 		}
 	}
-	return false
+	delete(t.names, name)
 }
 
 // stream is one delta ADS stream. Its loop owns all its state: requests
@@ -103,7 +112,7 @@ func (st *stream) run() error {
 	recvErr := make(chan error, 1)
 	go func() {
 		for {
-			req, err := recv(st.grpc)
+			req, err := recv(st.grpc, st.srv.Config.XDSMaxNames)
 			if errors.Is(err, errMalformedRequest) {
 				err = status.Error(codes.InvalidArgument, err.Error())
 			}
@@ -224,7 +233,7 @@ func (st *stream) handle(req request) error {
 	wasWildcard := ts.wildcard
 	if first {
 		ts.subscribed = true
-		ts.names = map[string]string{}
+		ts.names, ts.resolved = map[string]string{}, map[string]int{}
 		ts.held = req.initial
 		if ts.held == nil {
 			ts.held = map[string]uint64{}
@@ -246,13 +255,18 @@ func (st *stream) handle(req request) error {
 	}
 	for _, name := range req.GetResourceNamesUnsubscribe() {
 		if name == "*" {
+			if wasWildcard && ts.wildcard {
+				// Leaving wildcard: from now on what it holds is listed
+				// (before the names this request drops are dropped).
+				st.materializeHeld(ts)
+			}
 			ts.wildcard = false
 			continue
 		}
 		if uid := ts.names[name]; uid != "" && !ts.wildcard {
 			delete(ts.held, uid)
 		}
-		delete(ts.names, name)
+		ts.drop(name)
 		delete(ts.held, name)
 	}
 	subscription := "*"
@@ -268,13 +282,9 @@ func (st *stream) handle(req request) error {
 		}
 		return st.answerAuthorization(ts, added)
 	}
-	if !first && wasWildcard != ts.wildcard {
-		if ts.wildcard {
-			// The client now wants everything: what it lacks goes now.
-			return st.answerAddresses(ts, true, added)
-		}
-		// Leaving wildcard: from now on what it holds is listed.
-		st.materializeHeld(ts)
+	if !first && !wasWildcard && ts.wildcard {
+		// The client now wants everything: what it lacks goes now.
+		return st.answerAddresses(ts, true, added)
 	}
 	if !first && len(added) == 0 {
 		return nil
@@ -313,7 +323,7 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		}
 		st.changes = it
 		changes, _ := it.Next(txn)
-		out, removed = st.snapshot(ts, txn, func(yield func(*workload.Workload) bool) {
+		out, removed = st.snapshot(ts, txn, true, func(yield func(*workload.Workload) bool) {
 			for c := range changes {
 				if !yield(c.Object) {
 					return
@@ -325,7 +335,7 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		// compare against this view, so changes the iterator has not
 		// reported yet are not sent twice.
 		txn = st.srv.DB.ReadTxn()
-		out, removed = st.snapshot(ts, txn, func(yield func(*workload.Workload) bool) {
+		out, removed = st.snapshot(ts, txn, false, func(yield func(*workload.Workload) bool) {
 			for w := range st.srv.Workloads.All(txn) {
 				if !yield(w) {
 					return
@@ -337,10 +347,7 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		if ts.wildcard {
 			// The names answered below come from txn: catch up on the
 			// rest of it too, so that the client holds exactly one view.
-			var err error
-			if out, removed, err = st.changesSince(ts, txn); err != nil {
-				return err
-			}
+			out, removed = st.changesSince(ts, txn)
 		}
 	}
 	if ts.wildcard {
@@ -353,7 +360,7 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 			removed = append(removed, name)
 			continue
 		}
-		ts.names[name] = w.UID
+		ts.resolve(name, w.UID)
 		// Asked explicitly: always answered, even when held.
 		out = append(out, outgoing{w: w, alias: name})
 		st.sending(ts, w)
@@ -363,11 +370,13 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 	return st.send(AddressType, out, removed)
 }
 
-// snapshot compares the workloads of txn with what the client says it
-// holds (ts.held): it returns what to send and the held names that no
-// longer exist. A wildcard client then holds txn's view (ts.held goes); an
-// on-demand one keeps the list.
-func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, workloads func(func(*workload.Workload) bool)) ([]outgoing, []string) {
+// snapshot compares the workloads of txn with what the client holds
+// (ts.held): it returns what to send and the held names that no longer
+// exist. A wildcard client then holds txn's view (ts.held goes); an
+// on-demand one keeps the list. Claimed (the client's own
+// initial_resource_versions, not what was sent and may be unacknowledged)
+// are recorded as acknowledged.
+func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimedByClient bool, workloads func(func(*workload.Workload) bool)) ([]outgoing, []string) {
 	claimed := ts.held
 	if ts.wildcard {
 		ts.held = nil
@@ -396,7 +405,7 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, workloads func(fu
 			if !ts.wildcard {
 				ts.held[w.UID] = version
 			}
-			if st.local(w) {
+			if claimedByClient && st.local(w) {
 				st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: w.UID, hbone: w.HBONE})
 			}
 		default:
@@ -440,6 +449,7 @@ func (st *stream) materializeHeld(ts *typeState) {
 	for w := range st.srv.Workloads.All(st.view) {
 		ts.held[w.UID] = w.Version
 	}
+	st.view = nil // not kept alive (a snapshot of every table)
 }
 
 // localIn returns a test for this node's workloads in txn. For a whole
@@ -452,7 +462,7 @@ func (st *stream) localIn(txn statedb.ReadTxn, many bool) func(*workload.Workloa
 	}
 	if !many {
 		return func(w *workload.Workload) bool {
-			_, key, ok := strings.Cut(w.UID, "//Pod/")
+			key, ok := workload.PodOf(w.UID)
 			if !ok {
 				return false
 			}
@@ -503,7 +513,7 @@ func (st *stream) resolve(txn statedb.ReadTxn, name string) *workload.Workload {
 // changesSince returns what changed in the workloads table since the
 // last push, up to txn: for a wildcard client against its view, for an
 // on-demand one against what it holds.
-func (st *stream) changesSince(ts *typeState, txn statedb.ReadTxn) ([]outgoing, []string, error) {
+func (st *stream) changesSince(ts *typeState, txn statedb.ReadTxn) ([]outgoing, []string) {
 	changes, _ := st.changes.Next(txn)
 	st.local = st.localIn(txn, false)
 	var out []outgoing
@@ -530,7 +540,7 @@ func (st *stream) changesSince(ts *typeState, txn statedb.ReadTxn) ([]outgoing, 
 		out = append(out, outgoing{w: w})
 		st.sending(ts, w)
 	}
-	return out, removed, nil
+	return out, removed
 }
 
 // holdsNow reports whether the client holds uid.
@@ -564,10 +574,7 @@ func (st *stream) heldVersion(ts *typeState, w *workload.Workload) bool {
 func (st *stream) pushChanges() (<-chan struct{}, error) {
 	ts := st.types[AddressType]
 	txn := st.srv.DB.ReadTxn()
-	out, removed, err := st.changesSince(ts, txn)
-	if err != nil {
-		return nil, err
-	}
+	out, removed := st.changesSince(ts, txn)
 	if ts.wildcard {
 		st.view = txn
 	}
@@ -575,8 +582,6 @@ func (st *stream) pushChanges() (<-chan struct{}, error) {
 	// next change (or, if one came meanwhile, a closed one), rather than
 	// a closed channel that would wake the loop for nothing.
 	_, watch := st.changes.Next(txn)
-	st.holds(st.alreadyHeld)
-	st.alreadyHeld = nil
 	if len(out) == 0 && len(removed) == 0 {
 		return watch, nil
 	}

@@ -177,9 +177,10 @@ func (fz *fuzzStream) write(i int, remove bool) {
 
 // request hands the stream one request; false when the stream ends.
 func (fz *fuzzStream) request(raw []byte) bool {
-	req, err := decodeRequest(raw)
+	req, err := decodeRequest(raw, fz.st.srv.Config.XDSMaxNames)
+	fz.sameAsGenerated(raw, req, err)
 	if err != nil {
-		return false // the stream ends with InvalidArgument
+		return false // the stream ends with InvalidArgument or ResourceExhausted
 	}
 	if req.GetTypeUrl() == AddressType {
 		fz.model(req)
@@ -195,6 +196,34 @@ func (fz *fuzzStream) request(raw []byte) bool {
 	fz.receive()
 	fz.check()
 	return true
+}
+
+// sameAsGenerated checks decodeRequest against the generated decoder: both
+// accept or refuse raw, and read the same message.
+func (fz *fuzzStream) sameAsGenerated(raw []byte, req request, err error) {
+	var generated discovery.DeltaDiscoveryRequest
+	genErr := proto.Unmarshal(raw, &generated)
+	if status.Code(err) == codes.ResourceExhausted && genErr == nil && len(generated.InitialResourceVersions) > 0 {
+		return
+	}
+	if (err == nil) != (genErr == nil) {
+		fz.t.Fatalf("decodeRequest: %v, the generated decoder: %v", err, genErr)
+	}
+	if err != nil {
+		return
+	}
+	if len(req.initial) != len(generated.InitialResourceVersions) {
+		fz.t.Fatalf("initial versions %v, the generated decoder's %v", req.initial, generated.InitialResourceVersions)
+	}
+	for name, v := range generated.InitialResourceVersions {
+		if got, ok := req.initial[name]; !ok || got != parseVersion(v) {
+			fz.t.Fatalf("initial version of %q: %x (%v), the generated decoder's %q", name, got, ok, v)
+		}
+	}
+	generated.InitialResourceVersions = nil
+	if !proto.Equal(&generated, req.DeltaDiscoveryRequest) {
+		fz.t.Fatalf("request %v, the generated decoder's %v", req.DeltaDiscoveryRequest, &generated)
+	}
 }
 
 // model follows what the client itself knows of its Address subscription.

@@ -3,6 +3,7 @@
 package xds
 
 import (
+	"slices"
 	"strconv"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -57,7 +58,7 @@ func appendResources(b []byte, typeURL string, out []outgoing) []byte {
 		n := resourceSize(typeURL, o, len(strconv.AppendUint(versions[:0], o.w.Version, 16)))
 		size += protowire.SizeTag(responseResourcesField) + protowire.SizeBytes(n)
 	}
-	b = growTo(b, size)
+	b = slices.Grow(b, size)
 	for _, o := range out {
 		version := strconv.AppendUint(versions[:0], o.w.Version, 16)
 		b = protowire.AppendTag(b, responseResourcesField, protowire.BytesType)
@@ -98,14 +99,4 @@ func anySize(typeURL string, value string) int {
 		n += protowire.SizeTag(anyValueField) + protowire.SizeBytes(len(value))
 	}
 	return n
-}
-
-// growTo returns b with room for n more bytes.
-func growTo(b []byte, n int) []byte {
-	if cap(b)-len(b) >= n {
-		return b
-	}
-	grown := make([]byte, len(b), len(b)+n)
-	copy(grown, b)
-	return grown
 }

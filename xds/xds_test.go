@@ -588,14 +588,35 @@ func TestWildcardToggled(t *testing.T) {
 	z.subscribe(xds.AddressType, nil, true)
 	z.ack(z.recvType(xds.AddressType))
 	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"/10.0.1.10"}})
-	if resp := z.recvType(xds.AddressType); !slices.Equal(names(resp), []string{webUID}) {
-		t.Fatalf("on-demand answer %v, want web", names(resp))
+	webResp := z.recvType(xds.AddressType)
+	if !slices.Equal(names(webResp), []string{webUID}) {
+		t.Fatalf("on-demand answer %v, want web", names(webResp))
+	}
+	acked := func() []string {
+		txn := a.DB.ReadTxn()
+		var uids []string
+		for row := range (statedb.AnyTable{Meta: a.DB.GetTable(txn, xds.AcksTableName)}).All(txn) {
+			uids = append(uids, row.(*xds.Ack).UID)
+		}
+		return uids
 	}
 
 	// Step 1: wildcard on: api comes, web (held) does not come again.
+	// Web, this node's, is not acknowledged before the client says so.
 	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"*"}})
 	if resp := z.recvType(xds.AddressType); !slices.Equal(names(resp), []string{apiUID}) {
 		t.Fatalf("wildcard answer %v, want api only", names(resp))
+	}
+	if got := acked(); len(got) != 0 {
+		t.Fatalf("xds-acks %v before the client acknowledged anything", got)
+	}
+	z.ack(webResp)
+	deadline := time.Now().Add(5 * time.Second)
+	for !slices.Equal(acked(), []string{webUID}) {
+		if time.Now().After(deadline) {
+			t.Fatalf("xds-acks %v after web's ACK, want web", acked())
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.30"))
 	if resp := z.recvType(xds.AddressType); !slices.Equal(names(resp), []string{"Kubernetes//Pod/app/db"}) {

@@ -49,7 +49,7 @@ func (w *Workload) Decode() *workloadapi.Workload {
 }
 
 func (w *Workload) Scope() tables.Scope {
-	_, pod, _ := strings.Cut(w.UID, "//Pod/")
+	pod, _ := PodOf(w.UID)
 	return tables.PodScope(pod, w.Decode().GetNode())
 }
 
@@ -108,7 +108,15 @@ func (w *Workload) TableRow() []string {
 // (cluster/group/kind/namespace/name) so that names read the same in
 // ztunnel's dumps; it is stable while the pod keeps its name.
 func UID(clusterID, namespace, name string) string {
-	return clusterID + "//Pod/" + namespace + "/" + name
+	return clusterID + podInfix + namespace + "/" + name
+}
+
+const podInfix = "//Pod/"
+
+// PodOf returns the pod ("namespace/name") whose workload uid names.
+func PodOf(uid string) (pod string, ok bool) {
+	_, pod, ok = strings.Cut(uid, podInfix)
+	return pod, ok
 }
 
 var (
