@@ -52,11 +52,15 @@ func newHandlers(p handlerParams) (handlersOut, error) {
 	if err != nil {
 		return handlersOut{}, fmt.Errorf("cni: %w", err)
 	}
-	h := &handler{p, mode}
+	return (&handler{p, mode}).routes(), nil
+}
+
+// routes are the plugin's routes on api.sock.
+func (h *handler) routes() handlersOut {
 	return handlersOut{
 		Ask:    api.Handler{Pattern: "POST " + plugin.PodPathPrefix + "{namespace}/{name}", Handler: http.HandlerFunc(h.ask)},
 		Forget: api.Handler{Pattern: "DELETE " + plugin.ContainerPathPrefix + "{id}", Handler: http.HandlerFunc(h.forget)},
-	}, nil
+	}
 }
 
 type handler struct {

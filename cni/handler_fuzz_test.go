@@ -17,6 +17,7 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
@@ -124,11 +125,9 @@ func fuzzHandler(f *testing.F) (*http.ServeMux, *handler) {
 		Store: newStore(f.TempDir()), Metrics: newMetrics(prometheus.NewRegistry()),
 	}, settlingMode{}}
 	mux := http.NewServeMux()
-	for _, route := range []struct {
-		pattern string
-		fn      http.HandlerFunc
-	}{{"POST " + plugin.PodPathPrefix + "{namespace}/{name}", h.ask}, {"DELETE " + plugin.ContainerPathPrefix + "{id}", h.forget}} {
-		mux.Handle(route.pattern, route.fn)
+	routes := h.routes()
+	for _, route := range []api.Handler{routes.Ask, routes.Forget} {
+		mux.Handle(route.Pattern, route.Handler)
 	}
 	return mux, h
 }

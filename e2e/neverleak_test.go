@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 )
 
 // Size of TestNeverLeak: restarts of the agent (SIGKILL each time) and pods
@@ -89,21 +91,14 @@ func TestNeverLeak(t *testing.T) {
 
 	// The agent: first after a while (pods are waiting), then killed and
 	// restarted, up to minRestarts times and until minPods pods ran.
-	time.Sleep(1500 * time.Millisecond)
-	restarts := 0
 	deadline := time.Now().Add(chaosLimit)
-	for (restarts < minRestarts || pods.Load() < minPods) && time.Now().Before(deadline) && !t.Failed() {
-		n.start()
-		time.Sleep(time.Duration(500+rand.IntN(2000)) * time.Millisecond)
-		n.kill()
-		restarts++
-		time.Sleep(time.Duration(rand.IntN(500)) * time.Millisecond)
-	}
-	n.start()
+	restarts := n.restartUntil(t, func(restarts int) bool {
+		return (restarts >= minRestarts && pods.Load() >= minPods) || time.Now().After(deadline)
+	})
 	close(done)
 	<-podsDone
 
-	leaked, plain := n.leaks()
+	leaked, plain := n.checkNoLeak(t, &tr)
 	t.Logf("%d agent restarts (SIGKILL), %d pods started and deleted (%d failed ADDs retried), "+
 		"%d connections from pods (%d answered by the mTLS agent, %d directly, %d failed), "+
 		"%d segments captured on the uplink (%d with payload from pods not enrolled, %d from enrolled pods, %d of them with payload)",
@@ -112,6 +107,31 @@ func TestNeverLeak(t *testing.T) {
 	if restarts < minRestarts || pods.Load() < minPods {
 		t.Errorf("ran %d restarts and %d pods in %s, want at least %d and %d", restarts, pods.Load(), chaosLimit, minRestarts, minPods)
 	}
+}
+
+// restartUntil starts the node agent after a while (pods are waiting for
+// it), then kills (SIGKILL) and restarts it until enough; it returns the
+// number of restarts, with the agent running.
+func (n *node) restartUntil(t *testing.T, enough func(restarts int) bool) int {
+	time.Sleep(1500 * time.Millisecond)
+	restarts := 0
+	for !enough(restarts) && !t.Failed() {
+		n.start()
+		time.Sleep(time.Duration(500+rand.IntN(2000)) * time.Millisecond)
+		n.kill()
+		restarts++
+		time.Sleep(time.Duration(rand.IntN(500)) * time.Millisecond)
+	}
+	n.start()
+	return restarts
+}
+
+// checkNoLeak fails t for each segment from an enrolled pod on the uplink
+// (n.leaks), and when the capture missed segments or saw no pod traffic at
+// all (then no leak proves nothing).
+func (n *node) checkNoLeak(t *testing.T, tr *traffic) (leaked []netnstest.Segment, plain int) {
+	t.Helper()
+	leaked, plain = n.leaks()
 	for i, s := range leaked {
 		if i == 10 {
 			t.Errorf("... %d more", len(leaked)-10)
@@ -122,8 +142,8 @@ func TestNeverLeak(t *testing.T) {
 	if err := n.capture.Err(); err != nil || n.capture.Dropped() > 0 {
 		t.Errorf("capture: %v, %d dropped", err, n.capture.Dropped())
 	}
-	// The capture sees pods' traffic: without it, no leak proves nothing.
 	if plain == 0 || tr.agent.Load() == 0 {
 		t.Errorf("no payload from pods not enrolled on the uplink (%d), or no connection through the agent (%d)", plain, tr.agent.Load())
 	}
+	return leaked, plain
 }
