@@ -7,6 +7,8 @@ import (
 	"errors"
 	"unicode/utf8"
 
+	"github.com/cespare/xxhash/v2"
+
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -21,9 +23,59 @@ import (
 // without its initial_resource_versions, which come parsed apart.
 type request struct {
 	*discovery.DeltaDiscoveryRequest
-	// initial are the initial_resource_versions: name -> version (0 for a
-	// version that is not ours: always resent).
-	initial map[string]uint64
+	// initial are the initial_resource_versions.
+	initial claims
+}
+
+// claims are what a client says it holds: versions (0 for a version that
+// is not ours: always resent) by the hash of the name, and the names. A
+// reconnecting client claims every workload: a map of 100k names costs
+// ten times as much to fill and to probe as one of their hashes (each
+// probe of a string compares memory far apart).
+type claims struct {
+	versions map[uint64]uint64
+	names    []string
+}
+
+// nameHash is the key of a name in claims. A collision needs a name the
+// client made up with the version of the one it collides with: the client
+// then misses that workload, which it could refuse anyway.
+func nameHash(name string) uint64 { return xxhash.Sum64String(name) }
+
+func newClaims(n int) claims {
+	return claims{versions: make(map[uint64]uint64, n), names: make([]string, 0, n)}
+}
+
+func (c *claims) add(name string, version uint64) {
+	n := len(c.versions)
+	c.versions[nameHash(name)] = version
+	if len(c.versions) > n { // not a name seen before
+		c.names = append(c.names, name)
+	}
+}
+
+// version is the version claimed for name.
+func (c claims) version(name string) (uint64, bool) {
+	v, ok := c.versions[nameHash(name)]
+	return v, ok
+}
+
+// held lists the claims by name.
+func (c claims) held() map[string]uint64 {
+	held := make(map[string]uint64, len(c.names))
+	for _, name := range c.names {
+		held[name] = c.versions[nameHash(name)]
+	}
+	return held
+}
+
+// claimsOf hashes what a stream records as held.
+func claimsOf(held map[string]uint64) claims {
+	c := newClaims(len(held))
+	for name, v := range held {
+		c.add(name, v)
+	}
+	return c
 }
 
 // initialVersionsField is DeltaDiscoveryRequest.initial_resource_versions.
@@ -54,7 +106,7 @@ func decodeRequest(b []byte, maxNames int) (request, error) {
 	// stream keeps holds the table's names).
 	var text string
 	if entries > 0 {
-		req.initial = make(map[string]uint64, entries)
+		req.initial = newClaims(entries)
 		text = string(b)
 	}
 	var rest []byte
@@ -81,7 +133,7 @@ func decodeRequest(b []byte, maxNames int) (request, error) {
 		if !utf8.ValidString(name) || !utf8.ValidString(version) {
 			return request{}, errMalformedRequest
 		}
-		req.initial[name] = parseVersion(version)
+		req.initial.add(name, parseVersion(version))
 	}
 	req.DeltaDiscoveryRequest = &discovery.DeltaDiscoveryRequest{}
 	if err := proto.Unmarshal(rest, req.DeltaDiscoveryRequest); err != nil {

@@ -29,8 +29,8 @@ func TestDecodeRequest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !maps.Equal(got.initial, map[string]uint64{"a": 0x1f, "b": 0, "c": 0, "": 2}) {
-		t.Errorf("initial versions %v", got.initial)
+	if !maps.Equal(got.initial.held(), map[string]uint64{"a": 0x1f, "b": 0, "c": 0, "": 2}) {
+		t.Errorf("initial versions %v", got.initial.held())
 	}
 	want.InitialResourceVersions = nil
 	if !proto.Equal(want, got.DeltaDiscoveryRequest) {

@@ -37,6 +37,9 @@ type typeState struct {
 	// holds exactly the workloads of the stream's view (stream.view), so
 	// that a client costs the server nothing per workload.
 	held map[string]uint64
+	// claims are the first request's initial_resource_versions, until the
+	// first answer compares them with the table.
+	claims claims
 }
 
 // interested reports whether the client wants a resource.
@@ -205,7 +208,7 @@ func (st *stream) handle(req request) error {
 	}
 	// What a stream holds is bounded: a client subscribing to a million
 	// names that do not exist must not keep them all.
-	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + len(req.initial); held > st.srv.Config.XDSMaxNames {
+	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + len(req.initial.names); held > st.srv.Config.XDSMaxNames {
 		st.srv.Metrics.Refused.WithLabelValues("too-many-names").Inc()
 		return status.Errorf(codes.ResourceExhausted, "%s: the stream would hold %d resource names, more than --xds-max-names=%d",
 			shortType(req.GetTypeUrl()), held, st.srv.Config.XDSMaxNames)
@@ -234,10 +237,7 @@ func (st *stream) handle(req request) error {
 	if first {
 		ts.subscribed = true
 		ts.names, ts.resolved = map[string]string{}, map[string]int{}
-		ts.held = req.initial
-		if ts.held == nil {
-			ts.held = map[string]uint64{}
-		}
+		ts.held, ts.claims = map[string]uint64{}, req.initial
 		// A first request with no names at all is a legacy wildcard.
 		ts.wildcard = len(req.GetResourceNamesSubscribe()) == 0 && len(req.GetResourceNamesUnsubscribe()) == 0
 		if id := req.GetNode().GetId(); id != "" {
@@ -296,8 +296,9 @@ func (st *stream) handle(req request) error {
 // translation comes later); an empty answer is complete. Names the client
 // holds or asks for do not exist.
 func (st *stream) answerAuthorization(ts *typeState, added []string) error {
-	removed := append(slicesOfKeys(ts.held), added...)
+	removed := append(append(slicesOfKeys(ts.held), ts.claims.names...), added...)
 	clear(ts.held)
+	ts.claims = claims{}
 	return st.send(AuthorizationType, nil, removed)
 }
 
@@ -323,7 +324,7 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		}
 		st.changes = it
 		changes, _ := it.Next(txn)
-		out, removed = st.snapshot(ts, txn, true, func(yield func(*workload.Workload) bool) {
+		out, removed = st.snapshot(ts, txn, ts.claims, true, func(yield func(*workload.Workload) bool) {
 			for c := range changes {
 				if !yield(c.Object) {
 					return
@@ -335,7 +336,7 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		// compare against this view, so changes the iterator has not
 		// reported yet are not sent twice.
 		txn = st.srv.DB.ReadTxn()
-		out, removed = st.snapshot(ts, txn, false, func(yield func(*workload.Workload) bool) {
+		out, removed = st.snapshot(ts, txn, claimsOf(ts.held), false, func(yield func(*workload.Workload) bool) {
 			for w := range st.srv.Workloads.All(txn) {
 				if !yield(w) {
 					return
@@ -371,13 +372,13 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 }
 
 // snapshot compares the workloads of txn with what the client holds
-// (ts.held): it returns what to send and the held names that no longer
+// (claimed): it returns what to send and the held names that no longer
 // exist. A wildcard client then holds txn's view (ts.held goes); an
-// on-demand one keeps the list. Claimed (the client's own
+// on-demand one keeps the list. Claims the client made itself (its
 // initial_resource_versions, not what was sent and may be unacknowledged)
 // are recorded as acknowledged.
-func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimedByClient bool, workloads func(func(*workload.Workload) bool)) ([]outgoing, []string) {
-	claimed := ts.held
+func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, claimedByClient bool, workloads func(func(*workload.Workload) bool)) ([]outgoing, []string) {
+	ts.claims = claims{}
 	if ts.wildcard {
 		ts.held = nil
 	} else {
@@ -390,7 +391,7 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimedByClient b
 	}
 	found := 0 // claims that name a workload of txn
 	for w := range workloads {
-		version, had := claimed[w.UID]
+		version, had := claimed.version(w.UID)
 		if had {
 			found++
 		}
@@ -416,8 +417,8 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimedByClient b
 	// Claims of workloads that are gone are removed. Usually there are
 	// none, and the claims are not looked at again.
 	var removed []string
-	if found < len(claimed) {
-		for name := range claimed {
+	if found < len(claimed.names) {
+		for _, name := range claimed.names {
 			if _, _, ok := st.srv.Workloads.Get(txn, workload.ByUID(name)); !ok {
 				removed = append(removed, strings.Clone(name))
 			}

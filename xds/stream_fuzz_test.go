@@ -212,11 +212,11 @@ func (fz *fuzzStream) sameAsGenerated(raw []byte, req request, err error) {
 	if err != nil {
 		return
 	}
-	if len(req.initial) != len(generated.InitialResourceVersions) {
-		fz.t.Fatalf("initial versions %v, the generated decoder's %v", req.initial, generated.InitialResourceVersions)
+	if len(req.initial.names) != len(generated.InitialResourceVersions) {
+		fz.t.Fatalf("initial versions %v, the generated decoder's %v", req.initial.held(), generated.InitialResourceVersions)
 	}
 	for name, v := range generated.InitialResourceVersions {
-		if got, ok := req.initial[name]; !ok || got != parseVersion(v) {
+		if got, ok := req.initial.version(name); !ok || got != parseVersion(v) {
 			fz.t.Fatalf("initial version of %q: %x (%v), the generated decoder's %q", name, got, ok, v)
 		}
 	}
@@ -232,7 +232,7 @@ func (fz *fuzzStream) model(req request) {
 	if !fz.subscribed {
 		fz.subscribed = true
 		wildcard = len(req.GetResourceNamesSubscribe()) == 0 && len(req.GetResourceNamesUnsubscribe()) == 0
-		for name, v := range req.initial {
+		for name, v := range req.initial.held() {
 			fz.view[name] = strconv.FormatUint(v, 16)
 		}
 		if slices.Contains(req.GetResourceNamesSubscribe(), "*") {
