@@ -268,6 +268,9 @@ type backend interface {
 type tableBackend struct {
 	db        *statedb.DB
 	workloads statedb.RWTable[*workload.Workload]
+	// digest and digests are kept as the derivation keeps them.
+	digest  workload.Digest
+	digests *workload.Digests
 }
 
 func newTableBackend(b *testing.B, n int) *tableBackend {
@@ -276,6 +279,7 @@ func newTableBackend(b *testing.B, n int) *tableBackend {
 	if err != nil {
 		b.Fatal(err)
 	}
+	t := &tableBackend{db: db, workloads: wl, digests: workload.NewDigests()}
 	txn := db.WriteTxn(wl)
 	for i := range n {
 		w, err := workload.New("Kubernetes", "cluster.local", benchPod(i, 0), true)
@@ -283,9 +287,10 @@ func newTableBackend(b *testing.B, n int) *tableBackend {
 			b.Fatal(err)
 		}
 		wl.Insert(txn, w)
+		t.digest.Add(w)
 	}
-	txn.Commit()
-	return &tableBackend{db: db, workloads: wl}
+	t.digests.Publish(wl.Revision(txn.Commit()), t.digest)
+	return t
 }
 
 func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryServiceClient {
@@ -305,7 +310,7 @@ func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryService
 		serverParams: serverParams{
 			Config: Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Minute, XDSMaxResourcesPerResponse: defaultConfig.XDSMaxResourcesPerResponse, XDSMaxNames: defaultConfig.XDSMaxNames},
 			Log:    slog.New(slog.DiscardHandler), Metrics: newMetrics(prometheus.NewRegistry()),
-			DB: t.db, Workloads: t.workloads, Clients: clients, Acks: acks, Pods: pods, WorkloadConfig: workload.Config{ClusterID: "Kubernetes"},
+			DB: t.db, Workloads: t.workloads, Digests: t.digests, Clients: clients, Acks: acks, Pods: pods, WorkloadConfig: workload.Config{ClusterID: "Kubernetes"},
 		},
 		auth: acceptAll,
 	}
@@ -322,8 +327,12 @@ func (t *tableBackend) change(b *testing.B, i, gen int) string {
 		b.Fatal(err)
 	}
 	txn := t.db.WriteTxn(t.workloads)
+	if old, _, found := t.workloads.Get(txn, workload.ByUID(w.UID)); found {
+		t.digest.Remove(old)
+	}
 	t.workloads.Insert(txn, w)
-	txn.Commit()
+	t.digest.Add(w)
+	t.digests.Publish(t.workloads.Revision(txn.Commit()), t.digest)
 	return w.UID
 }
 

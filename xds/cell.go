@@ -93,6 +93,9 @@ type Metrics struct {
 	UnknownTypes prometheus.Counter
 	// Refused counts streams closed for breaking a bound, by reason.
 	Refused *prometheus.CounterVec
+	// ReconnectsUnchanged counts first requests that claimed exactly the
+	// current workloads (answered by digest, nothing sent).
+	ReconnectsUnchanged prometheus.Counter
 }
 
 func newMetrics(reg *prometheus.Registry) *Metrics {
@@ -113,6 +116,9 @@ func newMetrics(reg *prometheus.Registry) *Metrics {
 	m.Refused = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "mtlsbridge_xds_streams_refused_total", Help: "Streams closed for breaking a bound, by reason",
 	}, []string{"reason"})
-	reg.MustRegister(m.Streams, m.ResourcesSent, m.Nacks, m.UnknownTypes, m.Refused)
+	m.ReconnectsUnchanged = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "mtlsbridge_xds_reconnects_unchanged_total", Help: "Wildcard streams whose initial versions were exactly the current workloads (nothing sent)",
+	})
+	reg.MustRegister(m.Streams, m.ResourcesSent, m.Nacks, m.UnknownTypes, m.Refused, m.ReconnectsUnchanged)
 	return m
 }

@@ -7,8 +7,6 @@ import (
 	"errors"
 	"unicode/utf8"
 
-	"github.com/cespare/xxhash/v2"
-
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -17,6 +15,8 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/runtime/protoiface"
+
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 )
 
 // request is a DeltaDiscoveryRequest as the stream reads it: the message
@@ -27,49 +27,70 @@ type request struct {
 	initial claims
 }
 
-// claims are what a client says it holds: versions (0 for a version that
-// is not ours: always resent) by the hash of the name, and the names. A
-// reconnecting client claims every workload: a map of 100k names costs
-// ten times as much to fill and to probe as one of their hashes (each
-// probe of a string compares memory far apart).
+// claims are what a client says it holds: names and versions (0 for a
+// version that is not ours: always resent), and their digest. A
+// reconnecting client claims every workload: the claims are kept as they
+// come (sequential memory) and looked up by name only when the digest
+// differs from the table's, through a map of name hashes (a map of 100k
+// names costs ten times as much to fill and to probe).
 type claims struct {
-	versions map[uint64]uint64
 	names    []string
+	hashes   []uint64
+	versions []uint64
+	digest   workload.Digest
+	// byHash indexes the claims by name hash (built on first lookup; the
+	// last claim of a name wins, as in the generated decoder's map).
+	byHash map[uint64]int
 }
 
 // nameHash is the key of a name in claims. A collision needs a name the
 // client made up with the version of the one it collides with: the client
 // then misses that workload, which it could refuse anyway.
-func nameHash(name string) uint64 { return xxhash.Sum64String(name) }
+func nameHash(name string) uint64 { return workload.NameHash(name) }
 
 func newClaims(n int) claims {
-	return claims{versions: make(map[uint64]uint64, n), names: make([]string, 0, n)}
+	return claims{names: make([]string, 0, n), hashes: make([]uint64, 0, n), versions: make([]uint64, 0, n)}
 }
 
 func (c *claims) add(name string, version uint64) {
-	n := len(c.versions)
-	c.versions[nameHash(name)] = version
-	if len(c.versions) > n { // not a name seen before
-		c.names = append(c.names, name)
+	h := nameHash(name)
+	c.names = append(c.names, name)
+	c.hashes = append(c.hashes, h)
+	c.versions = append(c.versions, version)
+	c.digest.Count++
+	c.digest.Sum += workload.DigestTerm(h, version)
+}
+
+func (c *claims) index() {
+	if c.byHash != nil || len(c.names) == 0 {
+		return
+	}
+	c.byHash = make(map[uint64]int, len(c.hashes))
+	for i, h := range c.hashes {
+		c.byHash[h] = i
 	}
 }
 
 // version is the version claimed for name.
-func (c claims) version(name string) (uint64, bool) {
-	v, ok := c.versions[nameHash(name)]
-	return v, ok
+func (c *claims) version(name string) (uint64, bool) {
+	c.index()
+	i, ok := c.byHash[nameHash(name)]
+	if !ok {
+		return 0, false
+	}
+	return c.versions[i], true
 }
 
 // held lists the claims by name.
-func (c claims) held() map[string]uint64 {
+func (c *claims) held() map[string]uint64 {
 	held := make(map[string]uint64, len(c.names))
-	for _, name := range c.names {
-		held[name] = c.versions[nameHash(name)]
+	for i, name := range c.names {
+		held[name] = c.versions[i]
 	}
 	return held
 }
 
-// claimsOf hashes what a stream records as held.
+// claimsOf makes claims of what a stream records as held.
 func claimsOf(held map[string]uint64) claims {
 	c := newClaims(len(held))
 	for name, v := range held {

@@ -32,6 +32,8 @@ type serverParams struct {
 	Metrics   *Metrics
 	DB        *statedb.DB
 	Workloads statedb.Table[*workload.Workload]
+	// Digests answer a reconnect that claims exactly the table at once.
+	Digests *workload.Digests `optional:"true"`
 	// Pods and CNIPods (a new sandbox's addresses, before the API has
 	// them) resolve on-demand "network/ip" names to workloads.
 	Pods           statedb.Table[*tables.Pod]

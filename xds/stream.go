@@ -324,6 +324,15 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		}
 		st.changes = it
 		changes, _ := it.Next(txn)
+		if st.holdsExactly(ts, txn) {
+			// Nothing to compare, nothing to send: the iterator's first
+			// batch (the whole table) is passed once answered.
+			defer func() {
+				for range changes {
+				}
+			}()
+			break
+		}
 		out, removed = st.snapshot(ts, txn, ts.claims, true, func(yield func(*workload.Workload) bool) {
 			for c := range changes {
 				if !yield(c.Object) {
@@ -418,13 +427,38 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 	// none, and the claims are not looked at again.
 	var removed []string
 	if found < len(claimed.names) {
+		gone := map[string]bool{}
 		for _, name := range claimed.names {
-			if _, _, ok := st.srv.Workloads.Get(txn, workload.ByUID(name)); !ok {
+			if _, _, ok := st.srv.Workloads.Get(txn, workload.ByUID(name)); !ok && !gone[name] {
+				gone[name] = true
 				removed = append(removed, strings.Clone(name))
 			}
 		}
 	}
 	return out, removed
+}
+
+// holdsExactly reports whether a wildcard client's first request claims
+// exactly the workloads of txn at their versions (a reconnect with nothing
+// changed meanwhile), by the digest of both. The client then holds txn's
+// view; its claims of this node's workloads are acknowledged.
+func (st *stream) holdsExactly(ts *typeState, txn statedb.ReadTxn) bool {
+	if !ts.wildcard || ts.claims.digest.Count == 0 {
+		return false
+	}
+	digest, ok := st.srv.Digests.At(txn, st.srv.Workloads)
+	if !ok || digest != ts.claims.digest {
+		return false
+	}
+	ts.held, ts.claims = nil, claims{}
+	for pod := range st.srv.Pods.List(txn, tables.PodsOfThisNode()) {
+		uid := workload.UID(st.srv.WorkloadConfig.ClusterID, pod.Namespace, pod.Name)
+		if w, _, found := st.srv.Workloads.Get(txn, workload.ByUID(uid)); found {
+			st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: w.UID, hbone: w.HBONE})
+		}
+	}
+	st.srv.Metrics.ReconnectsUnchanged.Inc()
+	return true
 }
 
 // sending records that w goes to the client.

@@ -5,6 +5,7 @@ package xds_test
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -272,6 +273,64 @@ func TestReconnectWithInitialVersions(t *testing.T) {
 	}
 	z.cancel()
 
+	// Exactly what it was sent: an empty answer, found by digest; web,
+	// this node's, is held as it said.
+	z1, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z1.subscribe(xds.AddressType, versions, false)
+	if resp := z1.recvType(xds.AddressType); len(resp.Resources) != 0 || len(resp.RemovedResources) != 0 {
+		t.Errorf("answer %v to a client that holds everything, want an empty one", resp)
+	}
+	if got := counterValue(t, a, "mtlsbridge_xds_reconnects_unchanged_total"); got != 1 {
+		t.Errorf("%v reconnects found unchanged, want 1", got)
+	}
+	txn := a.DB.ReadTxn()
+	var acked []string
+	for row := range (statedb.AnyTable{Meta: a.DB.GetTable(txn, xds.AcksTableName)}).All(txn) {
+		acked = append(acked, row.(*xds.Ack).UID)
+	}
+	if !slices.Equal(acked, []string{webUID}) {
+		t.Errorf("xds-acks %v, want web (claimed at its version)", acked)
+	}
+	// A pod added, then changed (its workload replaced): the client that
+	// followed holds the table exactly again.
+	for _, ip := range []string{"10.0.2.30", "10.0.2.31"} {
+		a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", ip))
+		resp := z1.recvType(xds.AddressType)
+		for _, r := range resp.Resources {
+			versions[r.Name] = r.Version
+		}
+	}
+	z1.cancel()
+	z1, err = connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z1.subscribe(xds.AddressType, versions, false)
+	if resp := z1.recvType(xds.AddressType); len(resp.Resources) != 0 || len(resp.RemovedResources) != 0 {
+		t.Errorf("answer %v to a client that holds everything after changes, want an empty one", resp)
+	}
+	if got := counterValue(t, a, "mtlsbridge_xds_reconnects_unchanged_total"); got != 2 {
+		t.Errorf("%v reconnects found unchanged, want 2", got)
+	}
+	// As many claims, one of them a name that does not exist in place of
+	// api: not taken for the same set.
+	swapped := maps.Clone(versions)
+	delete(swapped, apiUID)
+	swapped["Kubernetes//Pod/app/other"] = versions[apiUID]
+	z1.cancel()
+	z1, err = connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z1.subscribe(xds.AddressType, swapped, false)
+	if resp := z1.recvType(xds.AddressType); !slices.Equal(names(resp), []string{apiUID}) {
+		t.Errorf("resent %v, want api", names(resp))
+	}
+	z1.cancel()
+
 	held := map[string]string{
 		webUID:                     versions[webUID], // current
 		apiUID:                     "stale",          // outdated version
@@ -283,8 +342,8 @@ func TestReconnectWithInitialVersions(t *testing.T) {
 	}
 	z2.subscribe(xds.AddressType, held, false)
 	resp := z2.recvType(xds.AddressType)
-	if got := names(resp); !slices.Equal(got, []string{apiUID}) {
-		t.Errorf("resent %v, want only api (web is current)", got)
+	if got := names(resp); !slices.Equal(got, []string{apiUID, "Kubernetes//Pod/app/db"}) {
+		t.Errorf("resent %v, want only api and db (web is current)", got)
 	}
 	if !slices.Equal(resp.RemovedResources, []string{"Kubernetes//Pod/app/gone"}) {
 		t.Errorf("removed %v, want the name that no longer exists", resp.RemovedResources)

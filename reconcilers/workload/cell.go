@@ -21,6 +21,8 @@ var Cell = cell.Module(
 	// The derivation is the table's only writer.
 	cell.ProvidePrivate(NewTable),
 	cell.Provide(statedb.RWTable[*Workload].ToTable),
+	// The table's digest, for the xDS server's reconnects.
+	cell.Provide(NewDigests),
 	cell.Invoke(registerDerivation),
 )
 

@@ -37,6 +37,7 @@ type derivationParams struct {
 	// Ready says which of this node's pods are really redirected.
 	Ready     statedb.Table[*readiness.ReadyAnnotation]
 	Workloads statedb.RWTable[*Workload]
+	Digests   *Digests
 }
 
 // derivation keeps one Workload per enrolled pod, following the changes of
@@ -44,6 +45,8 @@ type derivationParams struct {
 type derivation struct {
 	derivationParams
 	*reconcilers.Incremental[string]
+	// digest is the table's, kept as rows come and go.
+	digest Digest
 }
 
 func newDerivation(p derivationParams) (*derivation, error) {
@@ -77,7 +80,7 @@ func newDerivation(p derivationParams) (*derivation, error) {
 	}
 	d.Incremental = reconcilers.NewIncremental(p.DB, p.Workloads, p.Workloads.RegisterInitializer(wtxn, "workload"),
 		d.update, pods, cniPods, enrollments, ready)
-	wtxn.Commit()
+	d.Digests.Publish(p.Workloads.Revision(wtxn.Commit()), d.digest)
 	return d, nil
 }
 
@@ -89,7 +92,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 
 func (d *derivation) update(dirty map[string]struct{}) {
 	wtxn := d.DB.WriteTxn(d.Workloads)
-	defer wtxn.Commit()
+	defer func() { d.Digests.Publish(d.Workloads.Revision(wtxn.Commit()), d.digest) }()
 	for key := range dirty {
 		ns, name, _ := strings.Cut(key, "/")
 		uid := UID(d.Config.ClusterID, ns, name)
@@ -100,6 +103,7 @@ func (d *derivation) update(dirty map[string]struct{}) {
 		if !found || !enrolled {
 			if hadOld {
 				d.Workloads.Delete(wtxn, old)
+				d.digest.Remove(old)
 			}
 			continue
 		}
@@ -112,6 +116,10 @@ func (d *derivation) update(dirty map[string]struct{}) {
 		}
 		if !hadOld || old.Version != w.Version {
 			d.Workloads.Insert(wtxn, w)
+			if hadOld {
+				d.digest.Remove(old)
+			}
+			d.digest.Add(w)
 		}
 	}
 }
