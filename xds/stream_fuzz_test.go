@@ -212,7 +212,7 @@ func (fz *fuzzStream) sameAsGenerated(raw []byte, req request, err error) {
 	if err != nil {
 		return
 	}
-	if len(req.initial.names) != len(generated.InitialResourceVersions) {
+	if len(req.initial.held()) != len(generated.InitialResourceVersions) {
 		fz.t.Fatalf("initial versions %v, the generated decoder's %v", req.initial.held(), generated.InitialResourceVersions)
 	}
 	for name, v := range generated.InitialResourceVersions {
