@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/mtlsbridge/mtlsbridge/api/client"
+	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/gomodule"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/internal/syncbuf"
@@ -56,6 +57,14 @@ func BenchmarkAgentStart(b *testing.B) {
 	fill := time.Now()
 	fillCluster(b, cfg)
 	b.Logf("API server filled in %s", time.Since(fill).Round(time.Second))
+	// Ready needs CA material: the Secret a Helm install creates.
+	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
+	must(b, err)
+	_, err = kubernetes.NewForConfigOrDie(cfg).CoreV1().Secrets("kube-system").Create(b.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca", Namespace: "kube-system"},
+		Data:       map[string][]byte{identity.CACertFile: certPEM, identity.CAKeyFile: keyPEM},
+	}, metav1.CreateOptions{})
+	must(b, err)
 	bin := b.TempDir()
 	gomodule.Build(b, bin, "mtlsbridge")
 	kubeconfig := kubetest.WriteKubeconfig(b, cfg)
