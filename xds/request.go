@@ -38,9 +38,9 @@ type claims struct {
 	hashes   []uint64
 	versions []uint64
 	digest   workload.Digest
-	// byHash indexes the claims by name hash (built on first lookup; the
-	// last claim of a name wins, as in the generated decoder's map).
-	byHash map[uint64]int
+	// byHash is the version claimed by name hash (built on first lookup;
+	// the last claim of a name wins, as in the generated decoder's map).
+	byHash map[uint64]uint64
 }
 
 // nameHash is the key of a name in claims. A collision needs a name the
@@ -65,20 +65,17 @@ func (c *claims) index() {
 	if c.byHash != nil || len(c.names) == 0 {
 		return
 	}
-	c.byHash = make(map[uint64]int, len(c.hashes))
+	c.byHash = make(map[uint64]uint64, len(c.hashes))
 	for i, h := range c.hashes {
-		c.byHash[h] = i
+		c.byHash[h] = c.versions[i]
 	}
 }
 
 // version is the version claimed for name.
 func (c *claims) version(name string) (uint64, bool) {
 	c.index()
-	i, ok := c.byHash[nameHash(name)]
-	if !ok {
-		return 0, false
-	}
-	return c.versions[i], true
+	v, ok := c.byHash[nameHash(name)]
+	return v, ok
 }
 
 // held lists the claims by name.
