@@ -80,13 +80,9 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 			if len(args) < 1 {
 				return nil, script.ErrUsage
 			}
-			var addrs []netip.Addr
-			for _, a := range args[1:] {
-				ip, err := netip.ParseAddr(a)
-				if err != nil {
-					return nil, err
-				}
-				addrs = append(addrs, ip)
+			addrs, err := parseAddrs(args[1:])
+			if err != nil {
+				return nil, err
 			}
 			mode, err := modes.Active()
 			if err != nil {
@@ -205,13 +201,9 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 				if len(args) < 1 {
 					return nil, script.ErrUsage
 				}
-				var addrs []netip.Addr
-				for _, a := range args[1:] {
-					ip, err := netip.ParseAddr(a)
-					if err != nil {
-						return nil, err
-					}
-					addrs = append(addrs, ip)
+				addrs, err := parseAddrs(args[1:])
+				if err != nil {
+					return nil, err
 				}
 				f.mu.Lock()
 				defer f.mu.Unlock()
@@ -396,4 +388,17 @@ func (zs *ztunnels) commands() map[string]script.Cmd {
 				return nil, nil
 			}),
 	}
+}
+
+// parseAddrs parses a command's address arguments.
+func parseAddrs(args []string) ([]netip.Addr, error) {
+	addrs := make([]netip.Addr, 0, len(args))
+	for _, a := range args {
+		ip, err := netip.ParseAddr(a)
+		if err != nil {
+			return nil, err
+		}
+		addrs = append(addrs, ip)
+	}
+	return addrs, nil
 }
