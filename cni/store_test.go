@@ -100,6 +100,7 @@ func TestUnknownPodRows(t *testing.T) {
 	now := time.Now()
 	old, fresh := now.Add(-time.Hour), now
 	txn := db.WriteTxn(pods, cniPods)
+	defer txn.Abort()
 	pods.Insert(txn, &tables.Pod{Namespace: "app", Name: "web", UID: "u1"})
 	for _, row := range []*tables.CNIPod{
 		{ContainerID: "known", Pod: "app/web", UID: "u1", Updated: old},
