@@ -210,31 +210,16 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 				f.namespaces[args[0]] = addrs
 				return nil, nil
 			}),
-		"netns/del": script.Command(
-			script.CmdUsage{Summary: "the namespace at PATH goes (the sandbox died)", Args: "path"},
-			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				f.mu.Lock()
-				defer f.mu.Unlock()
-				delete(f.namespaces, args[0])
-				delete(f.rules, args[0])
-				return nil, nil
-			}),
-		"netns/alter": script.Command(
-			script.CmdUsage{Summary: "someone deletes a rule of the redirection in PATH", Args: "path"},
-			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				f.mu.Lock()
-				defer f.mu.Unlock()
-				f.altered[args[0]] = true
-				return nil, nil
-			}),
-		"netns/put-rules": script.Command(
-			script.CmdUsage{Summary: "the redirection is in PATH (left by an earlier agent)", Args: "path"},
-			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				f.mu.Lock()
-				defer f.mu.Unlock()
-				f.rules[args[0]] = true
-				return nil, nil
-			}),
+		"netns/del": f.pathCommand("the namespace at PATH goes (the sandbox died)", func(path string) {
+			delete(f.namespaces, path)
+			delete(f.rules, path)
+		}),
+		"netns/alter": f.pathCommand("someone deletes a rule of the redirection in PATH", func(path string) {
+			f.altered[path] = true
+		}),
+		"netns/put-rules": f.pathCommand("the redirection is in PATH (left by an earlier agent)", func(path string) {
+			f.rules[path] = true
+		}),
 		"netns/rules": script.Command(
 			script.CmdUsage{Summary: "list the namespaces holding the redirection"},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
@@ -388,6 +373,21 @@ func (zs *ztunnels) commands() map[string]script.Cmd {
 				return nil, nil
 			}),
 	}
+}
+
+// pathCommand is a command on one namespace path: change runs under the
+// target's lock.
+func (f *fakeTarget) pathCommand(summary string, change func(path string)) script.Cmd {
+	return script.Command(script.CmdUsage{Summary: summary, Args: "path"},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			if len(args) != 1 {
+				return nil, script.ErrUsage
+			}
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			change(args[0])
+			return nil, nil
+		})
 }
 
 // parseAddrs parses a command's address arguments.
