@@ -39,21 +39,19 @@ type claims struct {
 	versions []uint64
 	digest   workload.Digest
 	// byHash is the version claimed by name hash (built on first lookup;
-	// the last claim of a name wins, as in the generated decoder's map).
+	// the last claim of a name wins, as in the generated decoder's map). A
+	// collision needs a name the client made up with the version of the
+	// one it collides with: the client then misses that workload, which it
+	// could refuse anyway.
 	byHash map[uint64]uint64
 }
-
-// nameHash is the key of a name in claims. A collision needs a name the
-// client made up with the version of the one it collides with: the client
-// then misses that workload, which it could refuse anyway.
-func nameHash(name string) uint64 { return workload.NameHash(name) }
 
 func newClaims(n int) claims {
 	return claims{names: make([]string, 0, n), hashes: make([]uint64, 0, n), versions: make([]uint64, 0, n)}
 }
 
 func (c *claims) add(name string, version uint64) {
-	h := nameHash(name)
+	h := workload.NameHash(name)
 	c.names = append(c.names, name)
 	c.hashes = append(c.hashes, h)
 	c.versions = append(c.versions, version)
@@ -74,7 +72,7 @@ func (c *claims) index() {
 // version is the version claimed for name.
 func (c *claims) version(name string) (uint64, bool) {
 	c.index()
-	v, ok := c.byHash[nameHash(name)]
+	v, ok := c.byHash[workload.NameHash(name)]
 	return v, ok
 }
 
