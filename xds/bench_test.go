@@ -423,6 +423,7 @@ func BenchmarkXDSChangeLatency(b *testing.B) {
 						// Marks for the breakdown of a trace (-test.trace).
 						trace.Log(context.Background(), "xds-bench", "commit")
 						name := back.change(b, (k*7919)%n, gen)
+						trace.Log(context.Background(), "xds-bench", "committed")
 						// The clock stops when the change arrives, before
 						// the client acknowledges it.
 						c.until(b, func(resp *scanned) bool {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"runtime/trace"
 	"slices"
 	"strconv"
 	"strings"
@@ -134,7 +135,10 @@ func (st *stream) run() error {
 		for {
 			select {
 			case resp := <-st.sendq:
-				if err := st.grpc.SendMsg(resp); err != nil {
+				region := trace.StartRegion(ctx, "xds send")
+				err := st.grpc.SendMsg(resp)
+				region.End()
+				if err != nil {
 					st.sendErr <- err
 					return
 				}
@@ -607,6 +611,9 @@ func (st *stream) heldVersion(ts *typeState, w *workload.Workload) bool {
 // pushChanges sends what changed in the workloads table since the last
 // push, and returns the channel that closes on the next change.
 func (st *stream) pushChanges() (<-chan struct{}, error) {
+	// Regions name the steps of a push in an execution trace
+	// (hack/xdstrace breaks the change latency down with them).
+	defer trace.StartRegion(st.ctx, "xds push").End()
 	ts := st.types[AddressType]
 	txn := st.srv.DB.ReadTxn()
 	out, removed := st.changesSince(ts, txn)
