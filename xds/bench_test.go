@@ -512,12 +512,13 @@ func BenchmarkXDSReconnect(b *testing.B) {
 }
 
 // BenchmarkXDSMemory: heap per workload held by the workloads and the server
-// serving one wildcard client that holds them all.
+// serving one wildcard client that holds them all (resources-B/workload:
+// the resources alone, with nothing served).
 func BenchmarkXDSMemory(b *testing.B) {
 	for _, be := range backends {
 		b.Run(fmt.Sprintf("%s/100000", be.name), func(b *testing.B) {
 			const n = 100_000
-			var perWorkload float64
+			var perWorkload, table float64
 			for b.Loop() {
 				perWorkload = heapPerWorkload(b, func() (any, func()) {
 					back := be.new(b, n)
@@ -525,8 +526,12 @@ func BenchmarkXDSMemory(b *testing.B) {
 					c := subscribeAll(b, client, n, nil)
 					return back, c.cancel
 				}, n)
+				// The resources alone (for mtlsbridge, the workloads table),
+				// a part of the agent's heap of all tables per pod.
+				table = heapPerWorkload(b, func() (any, func()) { return be.new(b, n), func() {} }, n)
 			}
 			b.ReportMetric(perWorkload, "B/workload")
+			b.ReportMetric(table, "resources-B/workload")
 		})
 	}
 }

@@ -4,10 +4,12 @@ package redirect
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
 	"os"
+	"runtime"
 	"testing"
 	"time"
 
@@ -18,6 +20,8 @@ import (
 	"github.com/cilium/statedb/reconciler"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/internal/heapstat"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // BenchmarkMapUpdates compares writing redirect map entries through the
@@ -108,4 +112,53 @@ func waitReconciled(b *testing.B, db *statedb.DB, tbl statedb.Table[*Redirect], 
 	if _, _, err := rec.WaitUntilReconciled(ctx, until); err != nil {
 		b.Fatal(err)
 	}
+}
+
+// BenchmarkMemoryPerLocalPod reports the heap the node keeps per pod of its
+// own, beside the cluster-wide tables (BenchmarkMemoryPerPod in
+// reconcilers/enrollment, resources-B/workload of BenchmarkXDSMemory): the
+// pod's CNI report, its redirect entry and its interface's attachment, with
+// their indexes, in rows shaped as the CNI server and the derivation write
+// them (one IPv4 address, a ready redirect).
+//
+//	go test -run '^$' -bench MemoryPerLocalPod ./reconcilers/redirect/
+func BenchmarkMemoryPerLocalPod(b *testing.B) {
+	const pods = 10_000
+	var perPod float64
+	for b.Loop() {
+		before := heapstat.Settled()
+		db := statedb.New()
+		cniPods, err := tables.NewCNIPodsTable(db)
+		if err != nil {
+			b.Fatal(err)
+		}
+		redirects, err := NewRedirectsTable(db)
+		if err != nil {
+			b.Fatal(err)
+		}
+		attachments, err := NewAttachmentsTable(db)
+		if err != nil {
+			b.Fatal(err)
+		}
+		txn := db.WriteTxn(cniPods, redirects, attachments)
+		for i := range pods {
+			pod := fmt.Sprintf("ns-%d/pod-%d", i%100, i)
+			addr := netip.AddrFrom4([4]byte{10, 0, byte(i >> 8), byte(i)})
+			device := fmt.Sprintf("lxc%011x", i)
+			cniPods.Insert(txn, &tables.CNIPod{
+				ContainerID: fmt.Sprintf("%064x", i), Pod: pod, UID: fmt.Sprintf("8a3f1c2e-0000-4000-8000-%012x", i),
+				IPs: []netip.Addr{addr}, Netns: fmt.Sprintf("/var/run/netns/cni-8a3f1c2e-0000-4000-8000-%012x", i), IfName: "eth0",
+				Enrolled: true, Reason: "namespace label", Redirect: "ready", State: tables.CNIStateAllowed, Updated: time.Now(),
+			})
+			redirects.Insert(txn, &Redirect{
+				Addr: addr, Kind: bpf.KindEnrolled, Pod: pod, Interface: device, Ifindex: uint32(100 + i),
+				MAC: net.HardwareAddr{2, 0, 0, 0, byte(i >> 8), byte(i)}, NetnsID: bpf.NoNetns, Status: reconciler.StatusDone(),
+			})
+			attachments.Insert(txn, &Attachment{Device: device, Ifindex: 100 + i, Hook: bpf.HookFromPod, Pod: pod, Status: reconciler.StatusDone()})
+		}
+		txn.Commit()
+		perPod = float64(heapstat.Settled()-before) / pods
+		runtime.KeepAlive(db)
+	}
+	b.ReportMetric(perPod, "B/pod")
 }
