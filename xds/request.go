@@ -29,15 +29,21 @@ type request struct {
 
 // claims are what a client says it holds: names and versions (0 for a
 // version that is not ours: always resent), and their digest. A
-// reconnecting client claims every workload: the claims are kept as they
-// come (sequential memory) and looked up by name only when the digest
-// differs from the table's, through a map of name hashes (a map of 100k
-// names costs ten times as much to fill and to probe).
+// reconnecting client claims every workload, and usually exactly the
+// table: decoding only sums the digest (workload.Digest), and the claims
+// themselves are read from the request, kept as it came, when they are
+// needed: when the digest differs from the table's. They are then kept as
+// they come (sequential memory) and looked up through a map of name
+// hashes (a map of 100k names costs ten times as much to fill and to
+// probe).
 type claims struct {
+	digest workload.Digest
+	// raw is the request the claims are read from, until read.
+	raw []byte
+
 	names    []string
 	hashes   []uint64
 	versions []uint64
-	digest   workload.Digest
 	// byHash is the version claimed by name hash (built on first lookup;
 	// the last claim of a name wins, as in the generated decoder's map). A
 	// collision needs a name the client made up with the version of the
@@ -46,18 +52,53 @@ type claims struct {
 	byHash map[uint64]uint64
 }
 
-func newClaims(n int) claims {
-	return claims{names: make([]string, 0, n), hashes: make([]uint64, 0, n), versions: make([]uint64, 0, n)}
+// count is how many claims there are.
+func (c *claims) count() int { return c.digest.Count }
+
+// read reads the claims from the request; every other method needs it
+// done. An entry that is not a map entry of two strings, UTF-8 in proto3
+// (as the generated decoder checks: a name that is not could not even be
+// sent back removed), ends the stream.
+func (c *claims) read() error {
+	if c.raw == nil {
+		return nil
+	}
+	// The names are cut from one copy of the request rather than copied
+	// one by one: they live only while the request is handled (what a
+	// stream keeps holds the table's names).
+	text := string(c.raw)
+	c.names = make([]string, 0, c.digest.Count)
+	c.hashes = make([]uint64, 0, c.digest.Count)
+	c.versions = make([]uint64, 0, c.digest.Count)
+	err := scanRequest(c.raw, nil, func(entry []byte, at int) error {
+		key, value, err := mapEntry(entry)
+		if err != nil {
+			return status.Errorf(codes.InvalidArgument, "%v: an initial_resource_versions entry is malformed", errMalformedRequest)
+		}
+		n, v := text[at+key[0]:at+key[1]], text[at+value[0]:at+value[1]]
+		if !utf8.ValidString(n) || !utf8.ValidString(v) {
+			return status.Errorf(codes.InvalidArgument, "%v: an initial_resource_versions entry is not UTF-8", errMalformedRequest)
+		}
+		c.names = append(c.names, n)
+		c.hashes = append(c.hashes, workload.NameHash(n))
+		c.versions = append(c.versions, parseVersion(v))
+		return nil
+	})
+	c.raw = nil
+	return err
 }
 
+// add claims name at version (claims of what was sent: they have no
+// digest).
 func (c *claims) add(name string, version uint64) {
-	h := workload.NameHash(name)
 	c.names = append(c.names, name)
-	c.hashes = append(c.hashes, h)
+	c.hashes = append(c.hashes, workload.NameHash(name))
 	c.versions = append(c.versions, version)
 	c.digest.Count++
-	c.digest.Sum += workload.DigestTerm(h, version)
 }
+
+// claimedNames lists the names claimed.
+func (c *claims) claimedNames() []string { return c.names }
 
 func (c *claims) index() {
 	if c.byHash != nil || len(c.names) == 0 {
@@ -87,7 +128,7 @@ func (c *claims) held() map[string]uint64 {
 
 // claimsOf makes claims of what a stream records as held.
 func claimsOf(held map[string]uint64) claims {
-	c := newClaims(len(held))
+	var c claims
 	for name, v := range held {
 		c.add(name, v)
 	}
@@ -104,52 +145,28 @@ var errMalformedRequest = errors.New("malformed DeltaDiscoveryRequest")
 // sends the versions of everything it holds, 100k entries in a large
 // cluster: decoded into the message's map by the generic decoder they cost
 // about 30 times what this direct reading of the entries costs, so they
-// are parsed here and the rest of the message is decoded as usual.
+// are only framed and summed into a digest here (nothing is kept per
+// entry; claims.read reads and checks them if needed), and the rest of the
+// message is decoded as usual.
 //
-// More than maxNames entries are refused before any is decoded: a 16 MB
+// More than maxNames entries are refused before any is kept: a 16 MB
 // request of empty entries would otherwise cost half a gigabyte of map.
 func decodeRequest(b []byte, maxNames int) (request, error) {
-	entries, err := countInitialVersions(b)
+	var req request
+	var rest []byte
+	err := scanRequest(b, func(field []byte) { rest = append(rest, field...) }, func(entry []byte, _ int) error {
+		req.initial.digest.Count++
+		req.initial.digest.Sum += workload.EntryTerm(entry)
+		return nil
+	})
 	if err != nil {
 		return request{}, err
 	}
-	if entries > maxNames {
-		return request{}, status.Errorf(codes.ResourceExhausted, "%d initial_resource_versions, more than --xds-max-names=%d", entries, maxNames)
+	if n := req.initial.digest.Count; n > maxNames {
+		return request{}, status.Errorf(codes.ResourceExhausted, "%d initial_resource_versions, more than --xds-max-names=%d", n, maxNames)
 	}
-	var req request
-	// The names are cut from one copy of the request rather than copied
-	// one by one: they live only while the request is handled (what a
-	// stream keeps holds the table's names).
-	var text string
-	if entries > 0 {
-		req.initial = newClaims(entries)
-		text = string(b)
-	}
-	var rest []byte
-	for pos := 0; pos < len(b); {
-		num, typ, n := protowire.ConsumeTag(b[pos:])
-		fieldLen := protowire.ConsumeFieldValue(num, typ, b[pos+n:])
-		field := b[pos : pos+n+fieldLen]
-		if num != initialVersionsField || typ != protowire.BytesType {
-			rest = append(rest, field...)
-			pos += len(field)
-			continue
-		}
-		_, m := protowire.ConsumeVarint(b[pos+n:])
-		start := pos + n + m
-		pos += len(field)
-		key, value, err := mapEntry(b[start:pos])
-		if err != nil {
-			return request{}, err
-		}
-		entry := text[start:pos]
-		name, version := entry[key[0]:key[1]], entry[value[0]:value[1]]
-		// Strings of proto3 are UTF-8, as the generated decoder checks: a
-		// name that is not could not be sent back (removed).
-		if !utf8.ValidString(name) || !utf8.ValidString(version) {
-			return request{}, errMalformedRequest
-		}
-		req.initial.add(name, parseVersion(version))
+	if req.initial.digest.Count > 0 {
+		req.initial.raw = b
 	}
 	req.DeltaDiscoveryRequest = &discovery.DeltaDiscoveryRequest{}
 	if err := proto.Unmarshal(rest, req.DeltaDiscoveryRequest); err != nil {
@@ -158,30 +175,39 @@ func decodeRequest(b []byte, maxNames int) (request, error) {
 	return req, nil
 }
 
-// countInitialVersions checks the message's framing and counts its
-// initial_resource_versions entries.
-func countInitialVersions(b []byte) (int, error) {
-	count := 0
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
+// scanRequest walks a DeltaDiscoveryRequest's fields, checking their
+// framing: other gets every field but initial_resource_versions (tag
+// included), entry each of those map entries' bytes and their offset in b.
+func scanRequest(b []byte, other func(field []byte), entry func(bytes []byte, at int) error) error {
+	for pos := 0; pos < len(b); {
+		num, typ, n := protowire.ConsumeTag(b[pos:])
 		if n < 0 {
-			return 0, errMalformedRequest
+			return errMalformedRequest
 		}
-		fieldLen := protowire.ConsumeFieldValue(num, typ, b[n:])
+		fieldLen := protowire.ConsumeFieldValue(num, typ, b[pos+n:])
 		if fieldLen < 0 {
-			return 0, errMalformedRequest
+			return errMalformedRequest
 		}
-		if num == initialVersionsField && typ == protowire.BytesType {
-			count++
+		field, value := b[pos:pos+n+fieldLen], b[pos+n:pos+n+fieldLen]
+		at := pos + n
+		pos += len(field)
+		if num != initialVersionsField || typ != protowire.BytesType {
+			if other != nil {
+				other(field)
+			}
+			continue
 		}
-		b = b[n+fieldLen:]
+		_, m := protowire.ConsumeVarint(value)
+		if err := entry(value[m:], at+m); err != nil {
+			return err
+		}
 	}
-	return count, nil
+	return nil
 }
 
 // parseVersion reads a version as the server writes them (hexadecimal);
 // any other is 0, which never equals a workload's version.
-func parseVersion(s string) uint64 {
+func parseVersion[T string | []byte](s T) uint64 {
 	if len(s) == 0 || len(s) > 16 {
 		return 0
 	}

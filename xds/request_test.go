@@ -11,6 +11,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 )
 
 // decodeRequest reads what the generated decoder reads, with the initial
@@ -29,6 +31,9 @@ func TestDecodeRequest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := got.initial.read(); err != nil {
+		t.Fatal(err)
+	}
 	if !maps.Equal(got.initial.held(), map[string]uint64{"a": 0x1f, "b": 0, "c": 0, "": 2}) {
 		t.Errorf("initial versions %v", got.initial.held())
 	}
@@ -36,10 +41,21 @@ func TestDecodeRequest(t *testing.T) {
 	if !proto.Equal(want, got.DeltaDiscoveryRequest) {
 		t.Errorf("request %v, want %v", got.DeltaDiscoveryRequest, want)
 	}
-	// Truncated, not a tag, a field past the end, a name that is not UTF-8.
-	for _, bad := range [][]byte{{0x2a, 0x05, 0x0a}, {0xff}, {0x2a, 0x02, 0x0a, 0x09}, {0x2a, 0x03, 0x0a, 0x01, 0xa8}} {
+	// Truncated, not a tag: refused at once.
+	for _, bad := range [][]byte{{0x2a, 0x05, 0x0a}, {0xff}} {
 		if _, err := decodeRequest(bad, 4); err == nil {
 			t.Errorf("decodeRequest(%x) accepted", bad)
+		}
+	}
+	// An entry's field past its end, a name that is not UTF-8, a varint
+	// cut short: refused when the claims are read.
+	for _, bad := range [][]byte{{0x2a, 0x02, 0x0a, 0x09}, {0x2a, 0x03, 0x0a, 0x01, 0xa8}, {0x2a, 0x02, 0x08, 0x80}} {
+		req, err := decodeRequest(bad, 4)
+		if err == nil {
+			err = req.initial.read()
+		}
+		if err == nil {
+			t.Errorf("claims of %x accepted", bad)
 		}
 	}
 	// More initial versions than a stream may hold: refused before they
@@ -66,4 +82,40 @@ func BenchmarkDecodeRequest(b *testing.B) {
 			proto.Unmarshal(raw, &r)
 		}
 	})
+}
+
+// A request claiming workloads at their versions, as a client writes it,
+// has their digest; one claim off and it has not.
+func TestRequestDigest(t *testing.T) {
+	var table workload.Digest
+	claimed := map[string]string{}
+	for i := range 50 {
+		w, err := workload.New("Kubernetes", "cluster.local", benchPod(i, 0), true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		table.Add(w)
+		claimed[w.UID] = w.VersionString()
+	}
+	digest := func() workload.Digest {
+		b, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, InitialResourceVersions: claimed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		req, err := decodeRequest(b, 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return req.initial.digest
+	}
+	if got := digest(); got != table {
+		t.Fatalf("digest of the claims %+v, of the table %+v", got, table)
+	}
+	for uid, version := range claimed {
+		claimed[uid] = version + "0"
+		break
+	}
+	if got := digest(); got == table {
+		t.Fatalf("a changed version kept the table's digest %+v", got)
+	}
 }

@@ -212,7 +212,7 @@ func (st *stream) handle(req request) error {
 	}
 	// What a stream holds is bounded: a client subscribing to a million
 	// names that do not exist must not keep them all.
-	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + len(req.initial.names); held > st.srv.Config.XDSMaxNames {
+	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + req.initial.count(); held > st.srv.Config.XDSMaxNames {
 		st.srv.Metrics.Refused.WithLabelValues("too-many-names").Inc()
 		return status.Errorf(codes.ResourceExhausted, "%s: the stream would hold %d resource names, more than --xds-max-names=%d",
 			shortType(req.GetTypeUrl()), held, st.srv.Config.XDSMaxNames)
@@ -300,7 +300,10 @@ func (st *stream) handle(req request) error {
 // translation comes later); an empty answer is complete. Names the client
 // holds or asks for do not exist.
 func (st *stream) answerAuthorization(ts *typeState, added []string) error {
-	removed := append(append(slicesOfKeys(ts.held), ts.claims.names...), added...)
+	if err := ts.claims.read(); err != nil {
+		return err
+	}
+	removed := append(append(slicesOfKeys(ts.held), ts.claims.claimedNames()...), added...)
 	clear(ts.held)
 	ts.claims = claims{}
 	return st.send(AuthorizationType, nil, removed)
@@ -336,6 +339,9 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 				}
 			}()
 			break
+		}
+		if err := ts.claims.read(); err != nil {
+			return err
 		}
 		out, removed = st.snapshot(ts, txn, ts.claims, true, func(yield func(*workload.Workload) bool) {
 			for c := range changes {
@@ -430,9 +436,9 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 	// Claims of workloads that are gone are removed. Usually there are
 	// none, and the claims are not looked at again.
 	var removed []string
-	if found < len(claimed.names) {
+	if found < claimed.count() {
 		gone := map[string]bool{}
-		for _, name := range claimed.names {
+		for _, name := range claimed.claimedNames() {
 			if _, _, ok := st.srv.Workloads.Get(txn, workload.ByUID(name)); !ok && !gone[name] {
 				gone[name] = true
 				removed = append(removed, strings.Clone(name))

@@ -178,18 +178,20 @@ func (fz *fuzzStream) write(i int, remove bool) {
 // request hands the stream one request; false when the stream ends.
 func (fz *fuzzStream) request(raw []byte) bool {
 	req, err := decodeRequest(raw, fz.st.srv.Config.XDSMaxNames)
-	fz.sameAsGenerated(raw, req, err)
+	malformedClaims := fz.sameAsGenerated(raw, req, err)
 	if err != nil {
 		return false // the stream ends with InvalidArgument or ResourceExhausted
 	}
-	if req.GetTypeUrl() == AddressType {
+	if req.GetTypeUrl() == AddressType && !malformedClaims {
 		fz.model(req)
 	}
 	err = fz.st.handle(req)
 	fz.st.flush()
 	if err != nil {
-		if c := status.Code(err); c != codes.ResourceExhausted {
-			fz.t.Fatalf("request refused with %v, want a ResourceExhausted status", err)
+		// Claims are read (and refused) on the first request of a type;
+		// a later request's are not looked at.
+		if c := status.Code(err); c != codes.ResourceExhausted && (c != codes.InvalidArgument || !malformedClaims) {
+			fz.t.Fatalf("request refused with %v, want ResourceExhausted, or InvalidArgument for malformed claims", err)
 		}
 		return false
 	}
@@ -198,11 +200,18 @@ func (fz *fuzzStream) request(raw []byte) bool {
 	return true
 }
 
-// sameAsGenerated checks decodeRequest against the generated decoder: both
-// accept or refuse raw, and read the same message.
-func (fz *fuzzStream) sameAsGenerated(raw []byte, req request, err error) {
+// sameAsGenerated checks decodeRequest, and the claims read from its
+// request, against the generated decoder: both accept or refuse raw, and
+// read the same message. It tells whether the request was refused only
+// for its claims.
+func (fz *fuzzStream) sameAsGenerated(raw []byte, req request, err error) (malformedClaims bool) {
 	var generated discovery.DeltaDiscoveryRequest
 	genErr := proto.Unmarshal(raw, &generated)
+	if err == nil {
+		// The stream reads the claims when it needs them; here always.
+		err = req.initial.read()
+		malformedClaims = err != nil
+	}
 	if status.Code(err) == codes.ResourceExhausted && genErr == nil && len(generated.InitialResourceVersions) > 0 {
 		return
 	}
@@ -224,10 +233,12 @@ func (fz *fuzzStream) sameAsGenerated(raw []byte, req request, err error) {
 	if !proto.Equal(&generated, req.DeltaDiscoveryRequest) {
 		fz.t.Fatalf("request %v, the generated decoder's %v", req.DeltaDiscoveryRequest, &generated)
 	}
+	return false
 }
 
 // model follows what the client itself knows of its Address subscription.
 func (fz *fuzzStream) model(req request) {
+	req.initial.read() // well-formed: sameAsGenerated read them
 	wildcard := fz.alwaysWildcard
 	if !fz.subscribed {
 		fz.subscribed = true

@@ -7,42 +7,50 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/cilium/statedb"
+	"google.golang.org/protobuf/encoding/protowire"
 )
 
 // Digest summarises a set of workloads independently of order: how many,
 // and the sum of a term of each one's uid and version. A client that
 // reconnects claiming exactly the table's workloads at their versions has
-// the table's digest, so the xDS server can answer it without comparing
-// 100,000 claims one by one (a probe of a large map for each costs
-// hundreds of nanoseconds of memory latency).
+// the table's digest, so the xDS server can answer it without reading
+// 100,000 claims one by one. A term is the hash of the claim as it is
+// written in the request (the map entry of initial_resource_versions:
+// name, then version), so that the server sums a request's entries
+// without parsing them; a client that writes its entries otherwise only
+// misses this shortcut.
 type Digest struct {
 	Count int
 	Sum   uint64
 }
 
-// NameHash is the hash of a resource name in digests.
+// NameHash is the hash of a resource name, for lookups of claims by name.
 func NameHash(name string) uint64 { return xxhash.Sum64String(name) }
 
-// DigestTerm is what a resource (its name's hash and its version) adds to
-// a digest: the two mixed (splitmix64's finalizer), so that sums of
-// different sets differ.
-func DigestTerm(nameHash, version uint64) uint64 {
-	z := nameHash ^ (version * 0x9e3779b97f4a7c15)
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
-	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
-	return z ^ (z >> 31)
+// EntryTerm is what one claim adds to a digest: the hash of its map entry
+// (field 1 the name, field 2 the version, both length-delimited).
+func EntryTerm(entry []byte) uint64 { return xxhash.Sum64(entry) }
+
+// term is EntryTerm of w's entry, written as a client writes it.
+func term(w *Workload) uint64 {
+	var buf [128]byte
+	entry := protowire.AppendTag(buf[:0], 1, protowire.BytesType)
+	entry = protowire.AppendString(entry, w.UID)
+	entry = protowire.AppendTag(entry, 2, protowire.BytesType)
+	entry = protowire.AppendString(entry, w.VersionString())
+	return EntryTerm(entry)
 }
 
 // Add counts w in.
 func (d *Digest) Add(w *Workload) {
 	d.Count++
-	d.Sum += DigestTerm(NameHash(w.UID), w.Version)
+	d.Sum += term(w)
 }
 
 // Remove counts w out.
 func (d *Digest) Remove(w *Workload) {
 	d.Count--
-	d.Sum -= DigestTerm(NameHash(w.UID), w.Version)
+	d.Sum -= term(w)
 }
 
 // Digests publishes the digest of the workloads table as of a revision of
