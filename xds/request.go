@@ -112,6 +112,9 @@ func (c *claims) index() {
 
 // version is the version claimed for name.
 func (c *claims) version(name string) (uint64, bool) {
+	if c.count() == 0 {
+		return 0, false // a new client: nothing to hash
+	}
 	c.index()
 	v, ok := c.byHash[workload.NameHash(name)]
 	return v, ok

@@ -58,9 +58,9 @@ type derivation struct {
 	disabled bool
 }
 
-// Pacing of the derivation: changes that come together (a CNI report and
-// the enrollment it makes, a pod's veth and its addresses) are taken in one
-// pass; passes (a scan of the node's interfaces, which grows with its pods)
+// Pacing of the derivation: changes that come together (a pod's veth and
+// its addresses) are taken in one pass, except a CNI report, which a pod
+// start waits for; passes (a scan of the node's interfaces, which grows with its pods)
 // take at most 1/passDuty of the time, so that netlink events of pods
 // churning on a large node do not keep a core scanning, while on a node
 // whose scan takes a millisecond a pod's veth is seen within a few; rows
@@ -129,6 +129,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 			retryC = time.After(retry)
 			retry = min(2*retry, maxRetry)
 		}
+		wait := settle
 		select {
 		case <-ctx.Done():
 			return nil
@@ -136,13 +137,16 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		case <-watches[1]:
 		case <-watches[2]:
 		case <-watches[3]:
+			// A CNI report: its pod's start waits for this pass, and what
+			// came together with it (the pod's veth) came before it.
+			wait = 0
 		case <-changed:
 		case <-retryC:
 		}
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(max(settle, time.Until(nextPass))):
+		case <-time.After(max(wait, time.Until(nextPass))):
 		}
 	}
 }
