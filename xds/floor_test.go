@@ -76,31 +76,11 @@ func BenchmarkXDSFloor(b *testing.B) {
 		perMB(b)
 	})
 	b.Run("tls", func(b *testing.B) {
-		serverTLS, clientTLS := tlsPair(b)
-		l, err := tls.Listen("tcp", "127.0.0.1:0", serverTLS)
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer l.Close()
-		go func() {
-			for {
-				c, err := l.Accept()
-				if err != nil {
-					return
-				}
-				go func() { io.Copy(io.Discard, c); c.Close() }()
-			}
-		}()
-		clientTLS.ServerName = "127.0.0.1"
-		conn, err := tls.Dial("tcp", l.Addr().String(), clientTLS)
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer conn.Close()
-		var _ net.Conn = conn
+		writer, reader := tlsLoopback(b)
+		go io.Copy(io.Discard, reader)
 		for b.Loop() {
 			for _, bs := range wire {
-				if _, err := conn.Write(bs); err != nil {
+				if _, err := writer.Write(bs); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -108,40 +88,13 @@ func BenchmarkXDSFloor(b *testing.B) {
 		perMB(b)
 	})
 	b.Run("wake/tls", func(b *testing.B) {
-		serverTLS, clientTLS := tlsPair(b)
-		l, err := tls.Listen("tcp", "127.0.0.1:0", serverTLS)
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer l.Close()
-		accepted := make(chan net.Conn, 1)
-		go func() {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			// tls.Dial waits for the handshake, which the server does on
-			// first use.
-			if err := c.(*tls.Conn).Handshake(); err != nil {
-				c.Close()
-				return
-			}
-			accepted <- c
-		}()
-		clientTLS.ServerName = "127.0.0.1"
-		conn, err := tls.Dial("tcp", l.Addr().String(), clientTLS)
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer conn.Close()
-		server := <-accepted
-		defer server.Close()
+		server, client := tlsLoopback(b)
 		msg, buf := make([]byte, 1024), make([]byte, 1024)
 		wakeLatency(b, func() {
 			if _, err := server.Write(msg); err != nil {
 				b.Fatal(err)
 			}
-			if _, err := io.ReadFull(conn, buf); err != nil {
+			if _, err := io.ReadFull(client, buf); err != nil {
 				b.Fatal(err)
 			}
 		})
@@ -214,4 +167,43 @@ func (p *pushOnly) DeltaAggregatedResources(stream discovery.AggregatedDiscovery
 			return nil
 		}
 	}
+}
+
+// tlsLoopback returns both ends of a TLS connection on loopback, closed
+// when b ends.
+func tlsLoopback(b *testing.B) (server, client net.Conn) {
+	serverTLS, clientTLS := tlsPair(b)
+	l, err := tls.Listen("tcp", "127.0.0.1:0", serverTLS)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := l.Accept()
+		if err != nil {
+			close(accepted)
+			return
+		}
+		// tls.Dial waits for the handshake, which the server does on
+		// first use.
+		if err := c.(*tls.Conn).Handshake(); err != nil {
+			c.Close()
+			close(accepted)
+			return
+		}
+		accepted <- c
+	}()
+	clientTLS.ServerName = "127.0.0.1"
+	client, err = tls.Dial("tcp", l.Addr().String(), clientTLS)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { client.Close() })
+	server, ok := <-accepted
+	if !ok {
+		b.Fatal("TLS server handshake failed")
+	}
+	b.Cleanup(func() { server.Close() })
+	return server, client
 }
