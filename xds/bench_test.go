@@ -312,7 +312,7 @@ func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryService
 			Log:    slog.New(slog.DiscardHandler), Metrics: newMetrics(prometheus.NewRegistry()),
 			DB: t.db, Workloads: t.workloads, Digests: t.digests, Clients: clients, Acks: acks, Pods: pods, WorkloadConfig: workload.Config{ClusterID: "Kubernetes"},
 		},
-		auth: acceptAll,
+		auth: acceptAll, buffers: newResponseBuffers(),
 	}
 	return serve(b, func(srv *grpc.Server) { srv.RegisterService(serviceDesc(), s) })
 }

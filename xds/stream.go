@@ -138,6 +138,7 @@ func (st *stream) run() error {
 				region := trace.StartRegion(ctx, "xds send")
 				err := st.grpc.SendMsg(resp)
 				region.End()
+				st.srv.buffers.put(resp)
 				if err != nil {
 					st.sendErr <- err
 					return
@@ -660,7 +661,11 @@ func (st *stream) send(typeURL string, out []outgoing, removed []string) error {
 		if first {
 			rm = removed
 		}
-		resp := newResponse(typeURL, strconv.FormatUint(st.nonce, 10), out[:n], rm)
+		var buf []byte
+		if n > 0 {
+			buf = st.srv.buffers.get()
+		}
+		resp := newResponse(typeURL, strconv.FormatUint(st.nonce, 10), out[:n], rm, buf)
 		st.track(st.nonce, typeURL, out[:n], rm)
 		out = out[n:]
 		select {

@@ -3,6 +3,7 @@
 package xds
 
 import (
+	"math/bits"
 	"slices"
 	"strconv"
 
@@ -33,17 +34,55 @@ type outgoing struct {
 	alias string
 }
 
-// newResponse builds a response carrying out. The resources are written
+// responseBuffers are buffers of responses sent, for the next ones: a
+// few, kept whatever the collector does (a sync.Pool would lose them).
+type responseBuffers chan []byte
+
+// Large buffers only are kept (a response of up to 1000 resources takes
+// about 250 KB), and not beyond what one such response needs; as many as
+// two streams' initial snapshots use at a time.
+const (
+	minPooledResponse  = 16 << 10
+	maxPooledResponse  = 1 << 20
+	responseBufferStep = 64 << 10
+	pooledResponses    = 4
+)
+
+func newResponseBuffers() responseBuffers { return make(responseBuffers, pooledResponses) }
+
+func (p responseBuffers) get() []byte {
+	select {
+	case b := <-p:
+		return b
+	default:
+		return nil
+	}
+}
+
+// put takes back the buffer of a response that gRPC has marshalled (its
+// SendMsg returned): nothing refers to its bytes any more.
+func (p responseBuffers) put(resp *discovery.DeltaDiscoveryResponse) {
+	b := resp.ProtoReflect().GetUnknown()
+	if c := cap(b); c < minPooledResponse || c > maxPooledResponse {
+		return
+	}
+	select {
+	case p <- b[:0]:
+	default:
+	}
+}
+
+// newResponse builds a response carrying out, written into buf. The resources are written
 // directly in their wire form and attached as the response's unknown
 // fields, which protobuf marshals verbatim: a receiver cannot tell them
 // from the generated encoding (fields may come in any order and repeated
 // fields concatenate), and the server skips building, for every resource,
 // a Resource and an Any only to have them walked by the generic marshaller.
 // At 100k workloads that walk was the largest cost of the initial snapshot.
-func newResponse(typeURL, nonce string, out []outgoing, removed []string) *discovery.DeltaDiscoveryResponse {
+func newResponse(typeURL, nonce string, out []outgoing, removed []string, buf []byte) *discovery.DeltaDiscoveryResponse {
 	resp := &discovery.DeltaDiscoveryResponse{TypeUrl: typeURL, Nonce: nonce, RemovedResources: removed}
 	if len(out) > 0 {
-		resp.ProtoReflect().SetUnknown(appendResources(nil, typeURL, out))
+		resp.ProtoReflect().SetUnknown(appendResources(buf, typeURL, out))
 	}
 	return resp
 }
@@ -52,13 +91,17 @@ func newResponse(typeURL, nonce string, out []outgoing, removed []string) *disco
 // fields: for each, Resource{version, resource: Any{type_url, value}, name,
 // aliases}, in field order as the deterministic marshaller writes them.
 func appendResources(b []byte, typeURL string, out []outgoing) []byte {
-	var versions [16]byte
 	size := 0
 	for _, o := range out {
-		n := resourceSize(typeURL, o, len(strconv.AppendUint(versions[:0], o.w.Version, 16)))
+		n := resourceSize(typeURL, o, hexLen(o.w.Version))
 		size += protowire.SizeTag(responseResourcesField) + protowire.SizeBytes(n)
 	}
-	b = slices.Grow(b, size)
+	if cap(b)-len(b) < size {
+		// Rounded up, so that the buffer serves the responses after this
+		// one too, which differ in size by a few bytes (responseBuffers).
+		b = slices.Grow(b, (len(b)+size+responseBufferStep-1)/responseBufferStep*responseBufferStep-len(b))
+	}
+	var versions [16]byte
 	for _, o := range out {
 		version := strconv.AppendUint(versions[:0], o.w.Version, 16)
 		b = protowire.AppendTag(b, responseResourcesField, protowire.BytesType)
@@ -82,6 +125,9 @@ func appendResources(b []byte, typeURL string, out []outgoing) []byte {
 	}
 	return b
 }
+
+// hexLen is the length of v written in hexadecimal.
+func hexLen(v uint64) int { return max(1, (bits.Len64(v)+3)/4) }
 
 func resourceSize(typeURL string, o outgoing, versionLen int) int {
 	n := protowire.SizeTag(resourceVersionField) + protowire.SizeBytes(versionLen) +

@@ -4,6 +4,7 @@ package xds
 
 import (
 	"bytes"
+	"strconv"
 	"testing"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -50,7 +51,7 @@ func TestResponseWireForm(t *testing.T) {
 		t.Fatalf("wire form differs:\n got %x\nwant %x", got, direct)
 	}
 
-	b, err := proto.Marshal(newResponse(AddressType, "7", out, []string{"gone"}))
+	b, err := proto.Marshal(newResponse(AddressType, "7", out, []string{"gone"}, nil))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,5 +62,13 @@ func TestResponseWireForm(t *testing.T) {
 	wantResp := &discovery.DeltaDiscoveryResponse{TypeUrl: AddressType, Nonce: "7", RemovedResources: []string{"gone"}, Resources: want}
 	if !proto.Equal(&got, wantResp) {
 		t.Fatalf("read back %v, want %v", &got, wantResp)
+	}
+}
+
+func TestHexLen(t *testing.T) {
+	for _, v := range []uint64{0, 1, 0xf, 0x10, 0xfff, 0x1000, 1<<63 - 1, 1<<64 - 1} {
+		if got, want := hexLen(v), len(strconv.FormatUint(v, 16)); got != want {
+			t.Errorf("hexLen(%#x) = %d, want %d", v, got, want)
+		}
 	}
 }
