@@ -84,6 +84,7 @@ func newServer(p serverParams) (*Server, error) {
 		grpc.MaxRecvMsgSize(p.Config.GRPCMaxMessageBytes),
 		grpc.MaxSendMsgSize(p.Config.GRPCMaxMessageBytes),
 		grpc.MaxConcurrentStreams(maxConcurrentStreams),
+		CodecOption(),
 	)
 	for _, register := range p.Services {
 		register(srv)

@@ -88,7 +88,8 @@ func tlsPair(b *testing.B) (*tls.Config, *tls.Config) {
 // serve runs register on a TLS gRPC server on loopback and returns a client.
 func serve(b *testing.B, register func(*grpc.Server)) discovery.AggregatedDiscoveryServiceClient {
 	serverTLS, clientTLS := tlsPair(b)
-	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(serverTLS)), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))
+	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(serverTLS)), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20),
+		grpcserver.CodecOption())
 	register(srv)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

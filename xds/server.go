@@ -58,7 +58,7 @@ type server struct {
 	// buffers hold the buffers responses are written into, for the next
 	// ones once gRPC has taken their bytes: an initial snapshot of 100k
 	// workloads would otherwise allocate (and clear) its 24 MB anew.
-	buffers responseBuffers
+	buffers *responseBuffers
 }
 
 func newServer(p serverParams) (grpcserver.ServiceOut, error) {

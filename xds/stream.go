@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/cilium/statedb"
-	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -79,7 +78,7 @@ type stream struct {
 	view statedb.ReadTxn
 	// sendq holds at most one response: a slow client stops the loop from
 	// building more, and changes coalesce in the table meanwhile.
-	sendq   chan *discovery.DeltaDiscoveryResponse
+	sendq   chan wireResponse
 	sendErr chan error
 
 	// local tells this node's workloads apart in the response being
@@ -110,7 +109,7 @@ func (st *stream) run() error {
 	ctx, cancel := context.WithCancel(st.ctx)
 	defer cancel()
 	st.ctx = ctx
-	st.sendq = make(chan *discovery.DeltaDiscoveryResponse, 1)
+	st.sendq = make(chan wireResponse, 1)
 	st.sendErr = make(chan error, 1)
 	reqs := make(chan request, 16)
 	recvErr := make(chan error, 1)
@@ -138,7 +137,6 @@ func (st *stream) run() error {
 				region := trace.StartRegion(ctx, "xds send")
 				err := st.grpc.SendMsg(resp)
 				region.End()
-				st.srv.buffers.put(resp)
 				if err != nil {
 					st.sendErr <- err
 					return
@@ -212,8 +210,16 @@ func (st *stream) handle(req request) error {
 		return nil
 	}
 	// What a stream holds is bounded: a client subscribing to a million
-	// names that do not exist must not keep them all.
-	if held := len(ts.names) + len(req.GetResourceNamesSubscribe()) + req.initial.count(); held > st.srv.Config.XDSMaxNames {
+	// names that do not exist must not keep them all. Names it holds
+	// already do not count again (a client may repeat its subscriptions);
+	// a name repeated within the request does.
+	newNames := 0
+	for _, name := range req.GetResourceNamesSubscribe() {
+		if _, held := ts.names[name]; !held {
+			newNames++
+		}
+	}
+	if held := len(ts.names) + newNames + req.initial.count(); held > st.srv.Config.XDSMaxNames {
 		st.srv.Metrics.Refused.WithLabelValues("too-many-names").Inc()
 		return status.Errorf(codes.ResourceExhausted, "%s: the stream would hold %d resource names, more than --xds-max-names=%d",
 			shortType(req.GetTypeUrl()), held, st.srv.Config.XDSMaxNames)
@@ -661,11 +667,7 @@ func (st *stream) send(typeURL string, out []outgoing, removed []string) error {
 		if first {
 			rm = removed
 		}
-		var buf []byte
-		if n > 0 {
-			buf = st.srv.buffers.get()
-		}
-		resp := newResponse(typeURL, strconv.FormatUint(st.nonce, 10), out[:n], rm, buf)
+		resp := newResponse(st.srv.buffers, typeURL, strconv.FormatUint(st.nonce, 10), out[:n], rm)
 		st.track(st.nonce, typeURL, out[:n], rm)
 		out = out[n:]
 		select {

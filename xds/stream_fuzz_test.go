@@ -142,13 +142,14 @@ func newFuzzStream(t *testing.T) *fuzzStream {
 			DB: db, Workloads: wl, Pods: pods, CNIPods: cniPods, Clients: clients, Acks: acks,
 			WorkloadConfig: workload.Config{ClusterID: "Kubernetes"}, Node: tables.LocalNode{NodeName: "node-0"},
 		},
+		buffers: newResponseBuffers(),
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	fz.st = s.newStream(ctx, nil, grpcserver.Caller{Namespace: "kube-system", Pod: "ztunnel"})
 	// Room for every response of a script: the model client reads them
 	// after each step.
-	fz.st.sendq = make(chan *discovery.DeltaDiscoveryResponse, 1<<12)
+	fz.st.sendq = make(chan wireResponse, 1<<12)
 	fz.st.sendErr = make(chan error, 1)
 	t.Cleanup(fz.st.forget)
 	return fz
@@ -273,10 +274,8 @@ func (fz *fuzzStream) receive() {
 	for {
 		select {
 		case resp := <-fz.st.sendq:
-			b, err := proto.Marshal(resp)
-			must(fz.t, err)
 			var got discovery.DeltaDiscoveryResponse
-			must(fz.t, proto.Unmarshal(b, &got))
+			must(fz.t, proto.Unmarshal(resp.bytes(), &got))
 			if got.TypeUrl != AddressType {
 				continue
 			}

@@ -7,7 +7,7 @@ import (
 	"slices"
 	"strconv"
 
-	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
 
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
@@ -34,13 +34,52 @@ type outgoing struct {
 	alias string
 }
 
-// responseBuffers are buffers of responses sent, for the next ones: a
-// few, kept whatever the collector does (a sync.Pool would lose them).
-type responseBuffers chan []byte
+// Fields of DeltaDiscoveryResponse beside its resources.
+const (
+	responseTypeURLField = 4
+	responseNonceField   = 5
+	responseRemovedField = 6
+)
 
-// Large buffers only are kept (a response of up to 1000 resources takes
-// about 250 KB), and not beyond what one such response needs; as many as
-// two streams' initial snapshots use at a time.
+// wireResponse is a DeltaDiscoveryResponse written in its wire form by the
+// server: grpcserver's codec sends its bytes as they are, and gRPC hands
+// its buffer back to responseBuffers once written. Resources are written
+// directly rather than built as a Resource and an Any each only to be
+// walked by the generic marshaller: at 100k workloads that walk was the
+// largest cost of the initial snapshot. A receiver cannot tell the result
+// from the generated encoding.
+type wireResponse struct{ buf mem.Buffer }
+
+func (r wireResponse) EncodedMessage() mem.BufferSlice { return mem.BufferSlice{r.buf} }
+
+// bytes are the response's bytes (for tests: the stream hands it to gRPC).
+func (r wireResponse) bytes() []byte { return r.buf.ReadOnlyData() }
+
+// newResponse writes a response carrying out and removed into a buffer of
+// buffers.
+func newResponse(buffers *responseBuffers, typeURL, nonce string, out []outgoing, removed []string) wireResponse {
+	b := buffers.take()
+	b = appendResources(b, typeURL, out)
+	b = protowire.AppendTag(b, responseTypeURLField, protowire.BytesType)
+	b = protowire.AppendString(b, typeURL)
+	b = protowire.AppendTag(b, responseNonceField, protowire.BytesType)
+	b = protowire.AppendString(b, nonce)
+	for _, name := range removed {
+		b = protowire.AppendTag(b, responseRemovedField, protowire.BytesType)
+		b = protowire.AppendString(b, name)
+	}
+	return wireResponse{buf: mem.NewBuffer(&b, buffers)}
+}
+
+// responseBuffers are the buffers of responses gRPC has written, for the
+// next ones (a mem.BufferPool, to gRPC): a few large ones, kept whatever
+// the collector does (a sync.Pool handed none back across the stream's
+// and the sender's goroutines).
+type responseBuffers struct{ free chan *[]byte }
+
+// Large buffers only are kept (a response of 1000 resources takes about
+// 250 KB), and not beyond what one such response needs; as many as two
+// streams' initial snapshots use at a time.
 const (
 	minPooledResponse  = 16 << 10
 	maxPooledResponse  = 1 << 20
@@ -48,43 +87,39 @@ const (
 	pooledResponses    = 4
 )
 
-func newResponseBuffers() responseBuffers { return make(responseBuffers, pooledResponses) }
+func newResponseBuffers() *responseBuffers {
+	return &responseBuffers{free: make(chan *[]byte, pooledResponses)}
+}
 
-func (p responseBuffers) get() []byte {
+// take returns an empty buffer, kept or nil.
+func (p *responseBuffers) take() []byte {
 	select {
-	case b := <-p:
-		return b
+	case b := <-p.free:
+		return (*b)[:0]
 	default:
 		return nil
 	}
 }
 
-// put takes back the buffer of a response that gRPC has marshalled (its
-// SendMsg returned): nothing refers to its bytes any more.
-func (p responseBuffers) put(resp *discovery.DeltaDiscoveryResponse) {
-	b := resp.ProtoReflect().GetUnknown()
-	if c := cap(b); c < minPooledResponse || c > maxPooledResponse {
+// Get implements mem.BufferPool.
+func (p *responseBuffers) Get(length int) *[]byte {
+	b := p.take()
+	if cap(b) < length {
+		b = make([]byte, length)
+	}
+	b = b[:length]
+	return &b
+}
+
+// Put implements mem.BufferPool: gRPC has written the response.
+func (p *responseBuffers) Put(b *[]byte) {
+	if c := cap(*b); c < minPooledResponse || c > maxPooledResponse {
 		return
 	}
 	select {
-	case p <- b[:0]:
+	case p.free <- b:
 	default:
 	}
-}
-
-// newResponse builds a response carrying out, written into buf. The resources are written
-// directly in their wire form and attached as the response's unknown
-// fields, which protobuf marshals verbatim: a receiver cannot tell them
-// from the generated encoding (fields may come in any order and repeated
-// fields concatenate), and the server skips building, for every resource,
-// a Resource and an Any only to have them walked by the generic marshaller.
-// At 100k workloads that walk was the largest cost of the initial snapshot.
-func newResponse(typeURL, nonce string, out []outgoing, removed []string, buf []byte) *discovery.DeltaDiscoveryResponse {
-	resp := &discovery.DeltaDiscoveryResponse{TypeUrl: typeURL, Nonce: nonce, RemovedResources: removed}
-	if len(out) > 0 {
-		resp.ProtoReflect().SetUnknown(appendResources(buf, typeURL, out))
-	}
-	return resp
 }
 
 // appendResources appends out as repeated DeltaDiscoveryResponse.resources

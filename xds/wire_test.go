@@ -51,12 +51,8 @@ func TestResponseWireForm(t *testing.T) {
 		t.Fatalf("wire form differs:\n got %x\nwant %x", got, direct)
 	}
 
-	b, err := proto.Marshal(newResponse(AddressType, "7", out, []string{"gone"}, nil))
-	if err != nil {
-		t.Fatal(err)
-	}
 	var got discovery.DeltaDiscoveryResponse
-	if err := proto.Unmarshal(b, &got); err != nil {
+	if err := proto.Unmarshal(newResponse(newResponseBuffers(), AddressType, "7", out, []string{"gone"}).bytes(), &got); err != nil {
 		t.Fatal(err)
 	}
 	wantResp := &discovery.DeltaDiscoveryResponse{TypeUrl: AddressType, Nonce: "7", RemovedResources: []string{"gone"}, Resources: want}
