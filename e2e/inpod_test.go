@@ -8,9 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"slices"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/google/nftables"
 	"github.com/vishvananda/netlink"
@@ -133,67 +131,10 @@ func runInPodChecks(t *testing.T, b *bed) {
 	})
 
 	t.Run("5 proxy killed fails closed and recovers; agent restart keeps flows", func(t *testing.T) {
-		na.killProxy()
-		var down [2]*flow
-		var wg sync.WaitGroup
-		for i, v6 := range []bool{false, true} {
-			wg.Add(1)
-			go func() { defer wg.Done(); down[i] = b.run(p.a1, p.b1, v6) }()
-		}
-		wg.Wait()
-		for _, f := range down {
-			t.Log(f)
-			// The HBONE connections the dead proxy held close (their
-			// segments to and from 15008); nothing else may leave.
-			if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
-				t.Errorf("with the proxy down, a1 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
-			}
-		}
-		// The redirection is the node agent's: still in place.
-		if !inPodRulesPresent(t, p.a1) {
-			t.Error("a1 lost its redirection when the proxy died")
-		}
-		na.startProxy()
-		na.waitProxyReady()
-		b.knows(na, p.a1, p.b1, true)
-		for _, v6 := range []bool{false, true} {
-			f := b.run(p.a1, p.b1, v6)
-			t.Log(f)
-			expectMTLS(t, f)
-		}
-
-		echo := openEcho(t, p.a1, netip.AddrPortFrom(p.b1.ip4, echoPort))
-		marker := newMarker("echo")
-		b.underlay.Watch(marker)
-		echo.roundTrip(t, marker)
-		connects := na.metric("mtlsbridge_proxy_zds_connects_total")
-		na.killAgent()
-		for range 3 {
-			echo.roundTrip(t, marker)
-			time.Sleep(100 * time.Millisecond)
-		}
-		f := b.run(p.a1, p.b1, false)
-		t.Log(f)
-		expectMTLS(t, f)
-		na.startAgent()
-		na.waitAgent()
-		echo.roundTrip(t, marker)
-		b.eventually("node-a's proxy back on ZDS", func() error {
-			if n := na.metric("mtlsbridge_proxy_zds_connects_total"); n <= connects {
-				return fmt.Errorf("%v ZDS connects", n)
-			}
-			return nil
-		})
-		b.eventually("a1 redirected and held again", func() error { return na.noBypass("a1") })
-		echo.roundTrip(t, marker)
-		echo.close()
-		f = b.run(p.a1, p.b1, true)
-		t.Log(f)
-		expectMTLS(t, f)
-		time.Sleep(captureLag)
-		if seen := b.underlay.Seen(marker); len(seen) > 0 {
-			t.Errorf("the long-lived connection's payload crossed the underlay in clear: %v", seen[0])
-		}
+		// The redirection is the node agent's: it stays while the proxy
+		// is down.
+		restartsFailClosed(t, b, p, "zds", func() bool { return inPodRulesPresent(t, p.a1) },
+			func(f *flow) { t.Log(f) }, func(string) {})
 	})
 
 	t.Run("6 enrolled while running, then unenrolled", func(t *testing.T) {

@@ -154,67 +154,7 @@ func runChecks(t *testing.T, b *bed, out io.Writer) {
 	})
 
 	step("5 proxy killed fails closed and recovers; agent restart keeps flows", func(t *testing.T) {
-		na.killProxy()
-		note("node-a's proxy killed (SIGKILL)")
-		// Both families at once: each waits for its connection to fail.
-		var down [2]*flow
-		var wg sync.WaitGroup
-		for i, v6 := range []bool{false, true} {
-			wg.Add(1)
-			go func() { defer wg.Done(); down[i] = b.run(p.a1, p.b1, v6) }()
-		}
-		wg.Wait()
-		for _, f := range down {
-			report(f)
-			if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
-				t.Errorf("with the proxy down, a1 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
-			}
-		}
-		na.startProxy()
-		na.waitProxyReady()
-		note("node-a's proxy started again, ready; no pod restarted")
-		b.knows(na, p.a1, p.b1, true)
-		for _, v6 := range []bool{false, true} {
-			f := b.run(p.a1, p.b1, v6)
-			report(f)
-			expectMTLS(t, f)
-		}
-
-		// A long-lived connection through both proxies, and new ones,
-		// while node-a's agent is killed and restarted.
-		echo := openEcho(t, p.a1, netip.AddrPortFrom(p.b1.ip4, echoPort))
-		marker := newMarker("echo")
-		b.underlay.Watch(marker)
-		echo.roundTrip(t, marker)
-		connects := na.metric("mtlsbridge_proxy_xds_connects_total")
-		na.killAgent()
-		note("node-a's agent killed (SIGKILL); a long-lived connection a1 -> b1:8081 echoes on")
-		for range 3 {
-			echo.roundTrip(t, marker)
-			time.Sleep(100 * time.Millisecond)
-		}
-		f := b.run(p.a1, p.b1, false)
-		report(f)
-		expectMTLS(t, f)
-		na.startAgent()
-		na.waitAgent()
-		note("node-a's agent started again")
-		echo.roundTrip(t, marker)
-		b.eventually("node-a's proxy back on xDS", func() error {
-			if n := na.metric("mtlsbridge_proxy_xds_connects_total"); n <= connects {
-				return fmt.Errorf("%v xDS connects", n)
-			}
-			return nil
-		})
-		echo.roundTrip(t, marker)
-		echo.close()
-		f = b.run(p.a1, p.b1, true)
-		report(f)
-		expectMTLS(t, f)
-		time.Sleep(captureLag)
-		if seen := b.underlay.Seen(marker); len(seen) > 0 {
-			t.Errorf("the long-lived connection's payload crossed the underlay in clear: %v", seen[0])
-		}
+		restartsFailClosed(t, b, p, "xds", nil, report, note)
 	})
 
 	step("6 enrolled while running, then unenrolled", func(t *testing.T) {
@@ -505,4 +445,82 @@ func orOK(err error) error {
 		return fmt.Errorf("accepted")
 	}
 	return err
+}
+
+// restartsFailClosed is check 5 in either mode. node-a's proxy killed: new
+// connections from a1 to b1 fail, with nothing in clear on the underlay
+// (kept, if given, tells that the mode's redirection of a1 stays); started
+// again: they are mTLS, no pod restarted. Then a long-lived connection
+// through both proxies, and new ones, while node-a's agent is killed and
+// restarted: it echoes on, nothing crosses in clear, and the proxy comes
+// back to the agent (its mtlsbridge_proxy_<stream>_connects_total: xds,
+// or zds in in-pod mode) with a1 redirected again.
+func restartsFailClosed(t *testing.T, b *bed, p checkPods, stream string, kept func() bool, report func(*flow), note func(string)) {
+	na := b.nodes[0]
+	na.killProxy()
+	note("node-a's proxy killed (SIGKILL)")
+	// Both families at once: each waits for its connection to fail.
+	var down [2]*flow
+	var wg sync.WaitGroup
+	for i, v6 := range []bool{false, true} {
+		wg.Add(1)
+		go func() { defer wg.Done(); down[i] = b.run(p.a1, p.b1, v6) }()
+	}
+	wg.Wait()
+	for _, f := range down {
+		report(f)
+		// The HBONE connections the dead proxy held close (their
+		// segments to and from 15008); nothing else may leave.
+		if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
+			t.Errorf("with the proxy down, a1 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
+		}
+	}
+	if kept != nil && !kept() {
+		t.Error("a1 lost its redirection when the proxy died")
+	}
+	na.startProxy()
+	na.waitProxyReady()
+	note("node-a's proxy started again, ready; no pod restarted")
+	b.knows(na, p.a1, p.b1, true)
+	for _, v6 := range []bool{false, true} {
+		f := b.run(p.a1, p.b1, v6)
+		report(f)
+		expectMTLS(t, f)
+	}
+
+	echo := openEcho(t, p.a1, netip.AddrPortFrom(p.b1.ip4, echoPort))
+	marker := newMarker("echo")
+	b.underlay.Watch(marker)
+	echo.roundTrip(t, marker)
+	connects := "mtlsbridge_proxy_" + stream + "_connects_total"
+	before := na.metric(connects)
+	na.killAgent()
+	note("node-a's agent killed (SIGKILL); a long-lived connection a1 -> b1:8081 echoes on")
+	for range 3 {
+		echo.roundTrip(t, marker)
+		time.Sleep(100 * time.Millisecond)
+	}
+	f := b.run(p.a1, p.b1, false)
+	report(f)
+	expectMTLS(t, f)
+	na.startAgent()
+	na.waitAgent()
+	note("node-a's agent started again")
+	echo.roundTrip(t, marker)
+	b.eventually("node-a's proxy back on "+stream, func() error {
+		if n := na.metric(connects); n <= before {
+			return fmt.Errorf("%v %s connects", n, stream)
+		}
+		return nil
+	})
+	b.eventually("a1 redirected again", func() error { return na.noBypass("a1") })
+	echo.roundTrip(t, marker)
+	echo.close()
+	f = b.run(p.a1, p.b1, true)
+	report(f)
+	expectMTLS(t, f)
+	time.Sleep(captureLag)
+	if seen := b.underlay.Seen(marker); len(seen) > 0 {
+		t.Errorf("the long-lived connection's payload crossed the underlay in clear: %v", seen[0])
+	}
 }
