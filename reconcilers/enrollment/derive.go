@@ -6,6 +6,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -159,7 +161,9 @@ func (d *derivation) update(dirty map[string]struct{}) {
 	in := &inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, endpoints: d.Endpoints, anchors: d.anchors}
 	changed := 0
 	var logged []*Enrollment
-	for key := range dirty {
+	// In key order: neighbouring pods share the tree nodes that the lookups
+	// and inserts walk, which stay in cache (a cold pass: 100,000 pods).
+	for _, key := range slices.Sorted(maps.Keys(dirty)) {
 		old, _, hadOld := d.Enrollments.Get(wtxn, ByKey(key))
 		pod, _, found := d.Pods.Get(wtxn, tables.PodByKey(key))
 		var e *Enrollment
