@@ -43,6 +43,10 @@ type derivation struct {
 	*reconcilers.Incremental[string]
 	// anchors caches the policies by anchor (see anchorIndex).
 	anchors *anchorIndex
+	// updated is set once update has run. Until then every pod of the
+	// snapshot is dirty through its own first change, so that the changes
+	// of the other inputs need not look for the pods they affect.
+	updated bool
 }
 
 func newDerivation(p derivationParams) (*derivation, error) {
@@ -61,11 +65,11 @@ func newDerivation(p derivationParams) (*derivation, error) {
 	if err != nil {
 		return nil, err
 	}
-	endpoints, err := reconcilers.Follow(wtxn, p.Endpoints, endpointTouches)
+	endpoints, err := reconcilers.Follow(wtxn, p.Endpoints, d.endpointTouches)
 	if err != nil {
 		return nil, err
 	}
-	cniPods, err := reconcilers.Follow(wtxn, p.CNIPods, cniPodTouches)
+	cniPods, err := reconcilers.Follow(wtxn, p.CNIPods, d.cniPodTouches)
 	if err != nil {
 		return nil, err
 	}
@@ -81,18 +85,25 @@ func podTouches(_ statedb.ReadTxn, c statedb.Change[*tables.Pod], dirty map[stri
 }
 
 // An endpoint change affects the pod of the same name (its Cilium identity).
-func endpointTouches(_ statedb.ReadTxn, c statedb.Change[*tables.Endpoint], dirty map[string]struct{}) {
-	dirty[c.Object.Key()] = struct{}{}
+func (d *derivation) endpointTouches(_ statedb.ReadTxn, c statedb.Change[*tables.Endpoint], dirty map[string]struct{}) {
+	if d.updated {
+		dirty[c.Object.Key()] = struct{}{}
+	}
 }
 
 // A CNI report affects its pod: it may bring the pod's first addresses.
-func cniPodTouches(_ statedb.ReadTxn, c statedb.Change[*tables.CNIPod], dirty map[string]struct{}) {
-	dirty[c.Object.Pod] = struct{}{}
+func (d *derivation) cniPodTouches(_ statedb.ReadTxn, c statedb.Change[*tables.CNIPod], dirty map[string]struct{}) {
+	if d.updated {
+		dirty[c.Object.Pod] = struct{}{}
+	}
 }
 
 // A namespace change affects every pod in it (namespace label, namespace
 // labels in selectors).
 func (d *derivation) namespaceTouches(txn statedb.ReadTxn, c statedb.Change[*tables.Namespace], dirty map[string]struct{}) {
+	if !d.updated {
+		return
+	}
 	for pod := range tables.PodsOfNamespace(txn, d.Pods, c.Object.Name) {
 		dirty[pod.Key()] = struct{}{}
 	}
@@ -106,7 +117,7 @@ func (d *derivation) policyTouches(txn statedb.ReadTxn, c statedb.Change[*tables
 	for e := range d.Enrollments.List(txn, ByPolicy(p.Key())) {
 		dirty[e.Key()] = struct{}{}
 	}
-	if c.Deleted || !p.RequiresAuthentication() {
+	if c.Deleted || !p.RequiresAuthentication() || !d.updated {
 		return
 	}
 	visit := func(pod *tables.Pod) {
@@ -191,6 +202,7 @@ func (d *derivation) update(dirty map[string]struct{}) {
 		}
 	}
 	wtxn.Commit()
+	d.updated = true
 	// One line per decision that changed, once committed; a cold start
 	// (every pod new) says it in one line.
 	if !d.Initialized() && len(logged) > 1 {
