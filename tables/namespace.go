@@ -13,7 +13,7 @@ const NamespacesTableName = "namespaces"
 // Namespace is a Kubernetes namespace and its labels.
 type Namespace struct {
 	Name   string `json:"name"`
-	Labels Labels `json:"labels,omitempty"`
+	Labels Labels `json:"labels,omitzero"`
 }
 
 func (n *Namespace) TableHeader() []string { return []string{"Name", "Labels"} }

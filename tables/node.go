@@ -16,7 +16,7 @@ const NodesTableName = "nodes"
 // Node is a Kubernetes node: its name, labels and internal addresses.
 type Node struct {
 	Name      string       `json:"name"`
-	Labels    Labels       `json:"labels,omitempty"`
+	Labels    Labels       `json:"labels,omitzero"`
 	Addresses []netip.Addr `json:"addresses,omitempty"`
 }
 

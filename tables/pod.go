@@ -26,7 +26,7 @@ type Pod struct {
 	UID            string       `json:"uid"`
 	NodeName       string       `json:"nodeName,omitempty"`
 	ServiceAccount string       `json:"serviceAccount,omitempty"`
-	Labels         Labels       `json:"labels,omitempty"`
+	Labels         Labels       `json:"labels,omitzero"`
 	HostNetwork    bool         `json:"hostNetwork,omitempty"`
 	Phase          string       `json:"phase,omitempty"`
 	IPs            []netip.Addr `json:"ips,omitempty"`

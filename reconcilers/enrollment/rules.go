@@ -45,14 +45,14 @@ type inputs struct {
 //  3. the pod label cilium.io/redir-type: "none" opts out, "workload" enrolls;
 //  4. the namespace label io.cilium/mtls-enabled=true.
 func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
+	redirType := pod.Labels.Get(tables.RedirTypeLabel)
 	e := &Enrollment{
 		Namespace: pod.Namespace,
 		Pod:       pod.Name,
 		UID:       pod.UID,
 		Node:      pod.NodeName,
-		MTLSAgent: pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeProxy,
+		MTLSAgent: redirType == tables.RedirTypeProxy,
 	}
-	redirType := pod.Labels.Get(tables.RedirTypeLabel)
 	switch {
 	case pod.HostNetwork:
 		e.Reason = ReasonHostNetwork
