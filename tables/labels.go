@@ -40,8 +40,14 @@ func NewLabels(m map[string]string) Labels {
 	if len(m) == 0 {
 		return Labels{}
 	}
+	keys := slices.Sorted(maps.Keys(m))
+	size := 2*len(keys) - 1 // the separators
+	for _, k := range keys {
+		size += len(k) + len(m[k])
+	}
 	var b strings.Builder
-	for _, k := range slices.Sorted(maps.Keys(m)) {
+	b.Grow(size) // exactly: a builder left to grow holds up to twice the bytes
+	for _, k := range keys {
 		if b.Len() > 0 {
 			b.WriteString(labelSep)
 		}
