@@ -17,6 +17,9 @@ import (
 // discovery.proto and google.protobuf.Any).
 const (
 	responseResourcesField = 2 // DeltaDiscoveryResponse.resources
+	responseTypeURLField   = 4 // DeltaDiscoveryResponse.type_url
+	responseNonceField     = 5 // DeltaDiscoveryResponse.nonce
+	responseRemovedField   = 6 // DeltaDiscoveryResponse.removed_resources
 
 	resourceVersionField  = 1 // Resource.version
 	resourceResourceField = 2 // Resource.resource
@@ -33,13 +36,6 @@ type outgoing struct {
 	w     *workload.Workload
 	alias string
 }
-
-// Fields of DeltaDiscoveryResponse beside its resources.
-const (
-	responseTypeURLField = 4
-	responseNonceField   = 5
-	responseRemovedField = 6
-)
 
 // wireResponse is a DeltaDiscoveryResponse written in its wire form by the
 // server: grpcserver's codec sends its bytes as they are, and gRPC hands
