@@ -287,6 +287,9 @@ func (st *stream) handle(req request) error {
 	if st.client.Subscriptions[req.GetTypeUrl()] != subscription {
 		st.record(func(c *Client) { c.Subscriptions[req.GetTypeUrl()] = subscription })
 	}
+	// The row shows what the client asked for before the answer leaves:
+	// a client that has its answer finds itself in xds-clients.
+	st.flush()
 	if req.GetTypeUrl() == AuthorizationType {
 		if !first && len(added) == 0 {
 			return nil
