@@ -275,17 +275,23 @@ func TestReconnectWithInitialVersions(t *testing.T) {
 
 	// Exactly what it was sent: an empty answer, found by digest; web,
 	// this node's, is held as it said.
-	z1, err := connect(t, a, "tok-a")
-	if err != nil {
-		t.Fatal(err)
+	// reconnectHoldingAll reconnects with versions, which hold the table:
+	// an empty answer, the unchanged-reconnects counter at want.
+	reconnectHoldingAll := func(want float64) *ztunnel {
+		z, err := connect(t, a, "tok-a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		z.subscribe(xds.AddressType, versions, false)
+		if resp := z.recvType(xds.AddressType); len(resp.Resources) != 0 || len(resp.RemovedResources) != 0 {
+			t.Errorf("answer %v to a client that holds everything, want an empty one", resp)
+		}
+		if got := counterValue(t, a, "mtlsbridge_xds_reconnects_unchanged_total"); got != want {
+			t.Errorf("%v reconnects found unchanged, want %v", got, want)
+		}
+		return z
 	}
-	z1.subscribe(xds.AddressType, versions, false)
-	if resp := z1.recvType(xds.AddressType); len(resp.Resources) != 0 || len(resp.RemovedResources) != 0 {
-		t.Errorf("answer %v to a client that holds everything, want an empty one", resp)
-	}
-	if got := counterValue(t, a, "mtlsbridge_xds_reconnects_unchanged_total"); got != 1 {
-		t.Errorf("%v reconnects found unchanged, want 1", got)
-	}
+	z1 := reconnectHoldingAll(1)
 	txn := a.DB.ReadTxn()
 	var acked []string
 	for row := range (statedb.AnyTable{Meta: a.DB.GetTable(txn, xds.AcksTableName)}).All(txn) {
@@ -304,17 +310,7 @@ func TestReconnectWithInitialVersions(t *testing.T) {
 		}
 	}
 	z1.cancel()
-	z1, err = connect(t, a, "tok-a")
-	if err != nil {
-		t.Fatal(err)
-	}
-	z1.subscribe(xds.AddressType, versions, false)
-	if resp := z1.recvType(xds.AddressType); len(resp.Resources) != 0 || len(resp.RemovedResources) != 0 {
-		t.Errorf("answer %v to a client that holds everything after changes, want an empty one", resp)
-	}
-	if got := counterValue(t, a, "mtlsbridge_xds_reconnects_unchanged_total"); got != 2 {
-		t.Errorf("%v reconnects found unchanged, want 2", got)
-	}
+	z1 = reconnectHoldingAll(2)
 	// As many claims, one of them a name that does not exist in place of
 	// api: not taken for the same set.
 	swapped := maps.Clone(versions)
