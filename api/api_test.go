@@ -163,10 +163,18 @@ func TestRoutes(t *testing.T) {
 // The shell offers the commands that read, and nothing else.
 func TestShellReadsOnly(t *testing.T) {
 	a := startAPI(t)
-	a.health(t)
+	// The shell listens in a job of its own: the first command waits for
+	// it (within 10s), as the API's first request does (health).
 	var out strings.Builder
-	if err := client.Shell(t.Context(), a.stateDir, &out, "db"); err != nil || !strings.Contains(out.String(), "namespaces") {
-		t.Fatalf("db: %v %q", err, out.String())
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		out.Reset()
+		err := client.Shell(t.Context(), a.stateDir, &out, "db")
+		if err == nil || time.Now().After(deadline) {
+			if err != nil || !strings.Contains(out.String(), "namespaces") {
+				t.Fatalf("db: %v %q", err, out.String())
+			}
+			break
+		}
 	}
 	for _, line := range []string{"exec id", "cat /etc/hostname", "db/insert namespaces x.yaml", "db/delete namespaces x.yaml",
 		"db/show --out=/tmp/x namespaces", "db/dump"} {
