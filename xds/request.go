@@ -97,9 +97,6 @@ func (c *claims) add(name string, version uint64) {
 	c.digest.Count++
 }
 
-// claimedNames lists the names claimed.
-func (c *claims) claimedNames() []string { return c.names }
-
 func (c *claims) index() {
 	if c.byHash != nil || len(c.names) == 0 {
 		return
@@ -118,15 +115,6 @@ func (c *claims) version(name string) (uint64, bool) {
 	c.index()
 	v, ok := c.byHash[workload.NameHash(name)]
 	return v, ok
-}
-
-// held lists the claims by name.
-func (c *claims) held() map[string]uint64 {
-	held := make(map[string]uint64, len(c.names))
-	for i, name := range c.names {
-		held[name] = c.versions[i]
-	}
-	return held
 }
 
 // claimsOf makes claims of what a stream records as held.
@@ -210,7 +198,7 @@ func scanRequest(b []byte, other func(field []byte), entry func(bytes []byte, at
 
 // parseVersion reads a version as the server writes them (hexadecimal);
 // any other is 0, which never equals a workload's version.
-func parseVersion[T string | []byte](s T) uint64 {
+func parseVersion(s string) uint64 {
 	if len(s) == 0 || len(s) > 16 {
 		return 0
 	}

@@ -119,3 +119,12 @@ func TestRequestDigest(t *testing.T) {
 		t.Fatalf("a changed version kept the table's digest %+v", got)
 	}
 }
+
+// held lists the claims by name.
+func (c *claims) held() map[string]uint64 {
+	held := make(map[string]uint64, len(c.names))
+	for i, name := range c.names {
+		held[name] = c.versions[i]
+	}
+	return held
+}

@@ -313,7 +313,7 @@ func (st *stream) answerAuthorization(ts *typeState, added []string) error {
 	if err := ts.claims.read(); err != nil {
 		return err
 	}
-	removed := append(append(slicesOfKeys(ts.held), ts.claims.claimedNames()...), added...)
+	removed := append(append(slicesOfKeys(ts.held), ts.claims.names...), added...)
 	clear(ts.held)
 	ts.claims = claims{}
 	return st.send(AuthorizationType, nil, removed)
@@ -448,7 +448,7 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 	var removed []string
 	if found < claimed.count() {
 		gone := map[string]bool{}
-		for _, name := range claimed.claimedNames() {
+		for _, name := range claimed.names {
 			if _, _, ok := st.srv.Workloads.Get(txn, workload.ByUID(name)); !ok && !gone[name] {
 				gone[name] = true
 				removed = append(removed, strings.Clone(name))
@@ -772,7 +772,8 @@ func truncate(s string, n int) string {
 }
 
 // record updates the stream's xds-clients row; flush writes it. A
-// request's changes are written once, when it is handled, and a push's
+// request's changes are written when it is handled, before its answer
+// leaves (what that answer sent follows with the next write), and a push's
 // count rides along with the next write: a push hands its response to the
 // sender without a table write in between, which on a busy node would
 // hold the sender back.
