@@ -291,11 +291,13 @@ func TestTwoConnections(t *testing.T) {
 // with backoff until it is taken.
 func TestNack(t *testing.T) {
 	f := newFixture(t, 0)
-	f.put("app/a", f.netns)
 	z := startZtunnel(t, f.path)
 	z.mu.Lock()
 	z.fail["uid-a"] = errors.New("cannot bind 15008")
 	z.mu.Unlock()
+	// The pod comes after the failure is armed: had it been in the table
+	// first, the snapshot could have been taken before the refusal.
+	f.put("app/a", f.netns)
 	f.wantStates("app/a nacked 1 cannot bind 15008")
 	z.mu.Lock()
 	delete(z.fail, "uid-a")
