@@ -500,26 +500,46 @@ func (b *bed) knows(n *bedNode, from, to *bedPod, hbone bool) {
 			if !held {
 				return fmt.Errorf("no certificate of %s", from.identity())
 			}
+			// The source is found by its address: the one it has now.
+			if w := dumped(d, from); w == nil || !hasAddrs(w, from) {
+				return fmt.Errorf("%s is not a workload at %s, %s yet", from, from.ip4, from.ip6)
+			}
 		}
 		if to == nil {
 			return nil
 		}
-		for _, w := range d.Workloads {
-			if w.Name == to.name && w.Namespace == to.namespace {
-				if !to.enrolled {
-					return fmt.Errorf("%s is still a workload", to)
-				}
-				if w.HBONE != hbone {
-					return fmt.Errorf("%s has HBONE %v", to, w.HBONE)
-				}
-				return nil
-			}
-		}
-		if to.enrolled {
+		w := dumped(d, to)
+		switch {
+		case w == nil && to.enrolled:
 			return fmt.Errorf("%s is not a workload yet", to)
+		case w == nil:
+			return nil
+		case !to.enrolled:
+			return fmt.Errorf("%s is still a workload", to)
+		case w.HBONE != hbone:
+			return fmt.Errorf("%s has HBONE %v", to, w.HBONE)
+		case !hasAddrs(w, to):
+			// A pod given new addresses (a new sandbox): the peer checks
+			// the source address against the identity it proved.
+			return fmt.Errorf("%s is a workload at %v, not yet at %s, %s", to, w.Addresses, to.ip4, to.ip6)
 		}
 		return nil
 	})
+}
+
+// dumped is p's workload in a proxy's config dump, or nil.
+func dumped(d proxy.ConfigDump, p *bedPod) *proxy.Workload {
+	for _, w := range d.Workloads {
+		if w.Name == p.name && w.Namespace == p.namespace {
+			return w
+		}
+	}
+	return nil
+}
+
+// hasAddrs: the workload holds the pod's current addresses.
+func hasAddrs(w *proxy.Workload, p *bedPod) bool {
+	return (!p.ip4.IsValid() || w.HasAddress(p.ip4)) && (!p.ip6.IsValid() || w.HasAddress(p.ip6))
 }
 
 // serveDigest answers, once a client has sent everything (half-close), one
