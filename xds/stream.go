@@ -325,7 +325,7 @@ func (st *stream) answerAuthorization(ts *typeState, added []string) error {
 // and removes what it holds that is gone; then, for names subscribed on
 // demand, the workload each names.
 func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) error {
-	var out []outgoing
+	answer := st.respond(AddressType)
 	var removed []string
 	var txn statedb.ReadTxn
 	switch {
@@ -353,31 +353,44 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		if err := ts.claims.read(); err != nil {
 			return err
 		}
-		out, removed = st.snapshot(ts, txn, ts.claims, true, func(yield func(*workload.Workload) bool) {
+		removed, err = st.snapshot(ts, txn, ts.claims, true, func(yield func(*workload.Workload) bool) {
 			for c := range changes {
 				if !yield(c.Object) {
 					return
 				}
 			}
-		})
+		}, answer)
+		if err != nil {
+			return err
+		}
 	case snapshot:
 		// Wildcard subscribed on a stream already answered: later pushes
 		// compare against this view, so changes the iterator has not
 		// reported yet are not sent twice.
 		txn = st.srv.DB.ReadTxn()
-		out, removed = st.snapshot(ts, txn, claimsOf(ts.held), false, func(yield func(*workload.Workload) bool) {
+		var err error
+		removed, err = st.snapshot(ts, txn, claimsOf(ts.held), false, func(yield func(*workload.Workload) bool) {
 			for w := range st.srv.Workloads.All(txn) {
 				if !yield(w) {
 					return
 				}
 			}
-		})
+		}, answer)
+		if err != nil {
+			return err
+		}
 	default:
 		txn = st.srv.DB.ReadTxn()
 		if ts.wildcard {
 			// The names answered below come from txn: catch up on the
 			// rest of it too, so that the client holds exactly one view.
+			var out []outgoing
 			out, removed = st.changesSince(ts, txn)
+			for _, o := range out {
+				if err := answer.add(o); err != nil {
+					return err
+				}
+			}
 		}
 	}
 	if ts.wildcard {
@@ -392,21 +405,23 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		}
 		ts.resolve(name, w.UID)
 		// Asked explicitly: always answered, even when held.
-		out = append(out, outgoing{w: w, alias: name})
 		st.sending(ts, w)
+		if err := answer.add(outgoing{w: w, alias: name}); err != nil {
+			return err
+		}
 	}
 	st.holds(st.alreadyHeld)
 	st.alreadyHeld = nil
-	return st.send(AddressType, out, removed)
+	return answer.finish(removed)
 }
 
 // snapshot compares the workloads of txn with what the client holds
-// (claimed): it returns what to send and the held names that no longer
-// exist. A wildcard client then holds txn's view (ts.held goes); an
+// (claimed): it adds what to send to answer as it goes, and returns the
+// held names that no longer exist. A wildcard client then holds txn's view (ts.held goes); an
 // on-demand one keeps the list. Claims the client made itself (its
 // initial_resource_versions, not what was sent and may be unacknowledged)
 // are recorded as acknowledged.
-func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, claimedByClient bool, workloads func(func(*workload.Workload) bool)) ([]outgoing, []string) {
+func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, claimedByClient bool, workloads func(func(*workload.Workload) bool), answer *responses) ([]string, error) {
 	ts.claims = claims{}
 	if ts.wildcard {
 		ts.held = nil
@@ -414,10 +429,6 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 		ts.held = map[string]uint64{}
 	}
 	st.local = st.localIn(txn, true)
-	var out []outgoing
-	if ts.wildcard {
-		out = make([]outgoing, 0, st.srv.Workloads.NumObjects(txn))
-	}
 	found := 0 // claims that name a workload of txn
 	for w := range workloads {
 		version, had := claimed.version(w.UID)
@@ -439,8 +450,10 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 				st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: w.UID, hbone: w.HBONE})
 			}
 		default:
-			out = append(out, outgoing{w: w})
 			st.sending(ts, w)
+			if err := answer.add(outgoing{w: w}); err != nil {
+				return nil, err
+			}
 		}
 	}
 	// Claims of workloads that are gone are removed. Usually there are
@@ -455,7 +468,7 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 			}
 		}
 	}
-	return out, removed
+	return removed, nil
 }
 
 // holdsExactly reports whether a wildcard client's first request claims
@@ -647,53 +660,105 @@ func (st *stream) pushChanges() (<-chan struct{}, error) {
 }
 
 // send queues responses of at most XDSMaxResourcesPerResponse resources
-// (removals go with the first). An empty answer is still one response.
+// (removals go with the last). An empty answer is still one response.
 func (st *stream) send(typeURL string, out []outgoing, removed []string) error {
-	max := st.srv.Config.XDSMaxResourcesPerResponse
-	var timeout *time.Timer
+	r := st.respond(typeURL)
+	for _, o := range out {
+		if err := r.add(o); err != nil {
+			return err
+		}
+	}
+	return r.finish(removed)
+}
+
+// responses is one answer being sent: resources are added one by one and
+// each full response is queued to the sender at once, so that the start
+// of a large answer (a snapshot) is on the wire while the rest is still
+// being read from the table.
+type responses struct {
+	st      *stream
+	typeURL string
+	out     []outgoing
+	// queued counts the responses queued, sent the resources they carried.
+	queued, sent int
+	timeout      *time.Timer
+}
+
+func (st *stream) respond(typeURL string) *responses {
+	return &responses{st: st, typeURL: typeURL}
+}
+
+// add adds o to the answer, queueing a response when it is full.
+func (r *responses) add(o outgoing) error {
+	r.out = append(r.out, o)
+	if len(r.out) < r.st.srv.Config.XDSMaxResourcesPerResponse {
+		return nil
+	}
+	return r.queue(nil)
+}
+
+// finish queues the last response, with the removals.
+func (r *responses) finish(removed []string) error {
+	if len(r.out) > 0 || len(removed) > 0 || r.queued == 0 {
+		if err := r.queue(removed); err != nil {
+			return err
+		}
+	}
+	r.done()
+	return nil
+}
+
+// done records what the answer sent (in the metrics and the client's
+// row, once per answer rather than per response).
+func (r *responses) done() {
+	if r.timeout != nil {
+		r.timeout.Stop()
+	}
+	if r.sent > 0 {
+		sent := r.sent
+		r.st.srv.Metrics.ResourcesSent.WithLabelValues(shortType(r.typeURL)).Add(float64(sent))
+		r.st.record(func(c *Client) { c.ResourcesSent += sent })
+		r.sent = 0
+	}
+}
+
+// queue encodes the resources added since the last response, with
+// removed, and hands the response to the sender: at once if it is free,
+// else waiting up to XDSSendTimeout. When it cannot, what was sent so far
+// is recorded: the stream ends with the error.
+func (r *responses) queue(removed []string) (err error) {
 	defer func() {
-		if timeout != nil {
-			timeout.Stop()
+		if err != nil {
+			r.done()
 		}
 	}()
-	count := 0
-	defer func() {
-		if count > 0 {
-			st.srv.Metrics.ResourcesSent.WithLabelValues(shortType(typeURL)).Add(float64(count))
-			st.record(func(c *Client) { c.ResourcesSent += count })
+	st := r.st
+	st.nonce++
+	resp := newResponse(st.srv.buffers, r.typeURL, strconv.FormatUint(st.nonce, 10), r.out, removed)
+	st.track(st.nonce, r.typeURL, r.out, removed)
+	n := len(r.out) + len(removed)
+	r.out = r.out[:0] // encoded: the slice is free again
+	select {
+	case st.sendq <- resp:
+	default:
+		// The sender is busy: wait, but not forever.
+		if r.timeout == nil {
+			r.timeout = time.NewTimer(st.srv.Config.XDSSendTimeout)
+		} else {
+			r.timeout.Reset(st.srv.Config.XDSSendTimeout)
 		}
-	}()
-	for first := true; first || len(out) > 0; first = false {
-		n := min(len(out), max)
-		st.nonce++
-		var rm []string
-		if first {
-			rm = removed
-		}
-		resp := newResponse(st.srv.buffers, typeURL, strconv.FormatUint(st.nonce, 10), out[:n], rm)
-		st.track(st.nonce, typeURL, out[:n], rm)
-		out = out[n:]
 		select {
 		case st.sendq <- resp:
-		default:
-			// The sender is busy: wait, but not forever.
-			if timeout == nil {
-				timeout = time.NewTimer(st.srv.Config.XDSSendTimeout)
-			} else {
-				timeout.Reset(st.srv.Config.XDSSendTimeout)
-			}
-			select {
-			case st.sendq <- resp:
-			case err := <-st.sendErr:
-				return err
-			case <-st.ctx.Done():
-				return st.ctx.Err()
-			case <-timeout.C:
-				return fmt.Errorf("client took no response for %s: closing the stream", st.srv.Config.XDSSendTimeout)
-			}
+		case err := <-st.sendErr:
+			return err
+		case <-st.ctx.Done():
+			return st.ctx.Err()
+		case <-r.timeout.C:
+			return fmt.Errorf("client took no response for %s: closing the stream", st.srv.Config.XDSSendTimeout)
 		}
-		count += n + len(rm)
 	}
+	r.queued++
+	r.sent += n
 	return nil
 }
 
