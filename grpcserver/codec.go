@@ -17,8 +17,23 @@ type Encoded interface {
 	EncodedMessage() mem.BufferSlice
 }
 
-// codec is gRPC's proto codec, except for Encoded messages.
+// Retained is a message its service reads in wire form itself: it is
+// handed the received bytes, copied once out of gRPC's buffers, rather
+// than decoded (and copied again) by gRPC's proto codec.
+type Retained interface {
+	Retain(b []byte)
+}
+
+// codec is gRPC's proto codec, except for Encoded and Retained messages.
 type codec struct{ encoding.CodecV2 }
+
+func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
+	if r, ok := v.(Retained); ok {
+		r.Retain(data.Materialize())
+		return nil
+	}
+	return c.CodecV2.Unmarshal(data, v)
+}
 
 func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 	if e, ok := v.(Encoded); ok {
@@ -27,7 +42,8 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 	return c.CodecV2.Marshal(v)
 }
 
-// CodecOption makes a gRPC server send Encoded messages as they are.
+// CodecOption makes a gRPC server send Encoded messages as they are, and
+// hand Retained ones their bytes.
 func CodecOption() grpc.ServerOption {
 	return grpc.ForceServerCodecV2(codec{encoding.GetCodecV2(proto.Name)})
 }

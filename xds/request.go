@@ -13,8 +13,6 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protoreflect"
-	"google.golang.org/protobuf/runtime/protoiface"
 
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 )
@@ -251,34 +249,11 @@ func mapEntry(b []byte) (key, value [2]int, err error) {
 	return key, value, nil
 }
 
-// rawRequest receives a request's bytes from gRPC: its protobuf
-// reflection is DeltaDiscoveryRequest's, except that unmarshalling copies
-// the bytes (for decodeRequest) instead of decoding them.
+// rawRequest receives a request's bytes from gRPC (grpcserver.Retained),
+// for decodeRequest.
 type rawRequest struct{ b []byte }
 
-// requestType is read-only (a nil message): every stream shares it.
-var requestType = (*discovery.DeltaDiscoveryRequest)(nil).ProtoReflect()
-
-func (r *rawRequest) Reset()                             { r.b = r.b[:0] }
-func (r *rawRequest) ProtoReflect() protoreflect.Message { return rawMessage{requestType, r} }
-
-type rawMessage struct {
-	protoreflect.Message
-	r *rawRequest
-}
-
-func (m rawMessage) Interface() protoreflect.ProtoMessage { return m.r }
-
-func (m rawMessage) ProtoMethods() *protoiface.Methods {
-	return &protoiface.Methods{
-		Flags: protoiface.SupportUnmarshalDiscardUnknown,
-		Unmarshal: func(in protoiface.UnmarshalInput) (protoiface.UnmarshalOutput, error) {
-			// gRPC reuses its buffer after this returns.
-			m.r.b = append(m.r.b[:0], in.Buf...)
-			return protoiface.UnmarshalOutput{Flags: protoiface.UnmarshalInitialized}, nil
-		},
-	}
-}
+func (r *rawRequest) Retain(b []byte) { r.b = b }
 
 // deltaStream is the part of a gRPC stream a delta stream uses.
 type deltaStream interface {
