@@ -417,10 +417,10 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 
 // snapshot compares the workloads of txn with what the client holds
 // (claimed): it adds what to send to answer as it goes, and returns the
-// held names that no longer exist. A wildcard client then holds txn's view (ts.held goes); an
-// on-demand one keeps the list. Claims the client made itself (its
-// initial_resource_versions, not what was sent and may be unacknowledged)
-// are recorded as acknowledged.
+// held names that no longer exist. A wildcard client then holds txn's
+// view (ts.held goes); an on-demand one keeps the list. Claims the client
+// made itself (its initial_resource_versions, not what was sent and may be
+// unacknowledged) are recorded as acknowledged.
 func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, claimedByClient bool, workloads func(func(*workload.Workload) bool), answer *responses) ([]string, error) {
 	ts.claims = claims{}
 	if ts.wildcard {
