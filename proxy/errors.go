@@ -45,6 +45,11 @@ var (
 	// ErrIdle ends a proxied connection that moved no byte either way for
 	// the idle timeout.
 	ErrIdle = errors.New("idle timeout")
+	// ErrNotSynced: a connection came before the proxy held the node
+	// agent's first answer of each type, and that did not come within
+	// syncWait. Deciding on a partial view could send an enrolled
+	// destination plain TCP, or skip a DENY policy.
+	ErrNotSynced = errors.New("xDS not synced")
 	// ErrOverloaded: the proxy holds its maximum of connections.
 	ErrOverloaded = errors.New("too many connections")
 )

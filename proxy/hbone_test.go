@@ -11,6 +11,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -110,8 +111,13 @@ func (h *hbonePair) newProxy(node string, log *syncbuf.Buffer) *Proxy {
 	web, api := *h.web, *h.api
 	p.state.putWorkload("web", &web)
 	p.state.putWorkload("api", &api)
+	markSynced(p)
 	return p
 }
+
+// markSynced: the proxy holds the node agent's whole view (as the xDS
+// client says once its first answers are applied).
+func markSynced(p *Proxy) { p.xds.syncOnce.Do(func() { close(p.xds.synced) }) }
 
 // give makes ca issue p a certificate of id, through the same checks as
 // a CA answer.
@@ -381,5 +387,85 @@ func must(t testing.TB, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestWaitsForSync: an HBONE connection that comes before the proxy holds
+// the node agent's view waits for it (a DENY policy or the destination
+// could be in the part not yet received), then is served; one whose wait
+// runs out is reset and counted.
+func TestWaitsForSync(t *testing.T) {
+	h := newHBONEPair(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	unsynced := func(wait time.Duration) (*Proxy, netip.AddrPort) {
+		p := h.newProxy("node-b", &syncbuf.Buffer{})
+		p.xds = NewXDS(p.cfg, p.state, p.metrics, p.log)
+		p.syncWait = wait
+		h.give(p, h.ca, hbAPIID)
+		l, err := net.Listen("tcp", hbAPIIP+":0")
+		must(t, err)
+		t.Cleanup(func() { l.Close() })
+		go p.accept(ctx, l, p.inboundSlots, DirectionInbound, p.handleInbound)
+		return p, addrPort(l.Addr())
+	}
+	handshake := func(to netip.AddrPort) error {
+		tcp, err := dialFrom(ctx, netip.MustParseAddr(hbWebIP), to)
+		if err != nil {
+			return err
+		}
+		var proved string
+		c := tls.Client(tcp, clientTLS(h.a.certs.Get(hbWebID), h.a.certs.Bundle(), "cluster.local", hbAPIID, &proved))
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		return c.Handshake()
+	}
+
+	refusing, at := unsynced(100 * time.Millisecond)
+	if err := handshake(at); err == nil {
+		t.Fatal("handshake with a proxy that never synced succeeded")
+	}
+	h.expectCount(t, refusing.metrics.Refused.WithLabelValues(DirectionInbound, "not-synced"), 1)
+
+	// Outbound, from web to an address of no workload (plain TCP once
+	// synced): nothing is dialled (the dialer only records), the pod's
+	// connection is reset.
+	outbound := h.newProxy("node-a", &syncbuf.Buffer{})
+	outbound.xds = NewXDS(outbound.cfg, outbound.state, outbound.metrics, outbound.log)
+	outbound.syncWait = 100 * time.Millisecond
+	dialled := make(chan netip.AddrPort, 1)
+	recordOnly := func(_ context.Context, _ netip.Addr, dst netip.AddrPort) (*net.TCPConn, error) {
+		dialled <- dst
+		return nil, errors.New("not dialled in this test")
+	}
+	l, err := net.Listen("tcp", hbWebIP+":0")
+	must(t, err)
+	pod, err := (&net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(hbWebIP)}}).Dial("tcp", l.Addr().String())
+	must(t, err)
+	t.Cleanup(func() { pod.Close() })
+	accepted, err := l.Accept()
+	must(t, err)
+	l.Close()
+	go outbound.outbound(ctx, accepted.(*net.TCPConn), addrPort(pod.LocalAddr()), netip.MustParseAddrPort("192.0.2.1:80"), nil, recordOnly)
+	pod.SetDeadline(time.Now().Add(5 * time.Second))
+	h.expectReset(t, pod)
+	h.expectCount(t, outbound.metrics.Refused.WithLabelValues(DirectionOutbound, "not-synced"), 1)
+	select {
+	case dst := <-dialled:
+		t.Fatalf("dialled %s for a connection that came before sync", dst)
+	default:
+	}
+
+	holding, at := unsynced(5 * time.Second)
+	done := make(chan error, 1)
+	go func() { done <- handshake(at) }()
+	select {
+	case err := <-done:
+		t.Fatalf("handshake ended before the proxy synced: %v", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	markSynced(holding)
+	if err := <-done; err != nil {
+		t.Fatalf("held connection after sync: %v", err)
 	}
 }

@@ -29,6 +29,11 @@ func (p *Proxy) handleInbound(ctx context.Context, conn *net.TCPConn) {
 // source's name.
 func (p *Proxy) inbound(ctx context.Context, conn *net.TCPConn, dial dialer) {
 	local, peer := addrPort(conn.LocalAddr()), addrPort(conn.RemoteAddr())
+	if !p.awaitSynced(ctx) {
+		p.refuse(DirectionInbound, "not-synced", peer, local, "", "", ErrNotSynced)
+		reset(conn)
+		return
+	}
 	dstW := p.state.LocalByIP(local.Addr())
 	if dstW == nil {
 		p.refuse(DirectionInbound, "unknown-destination", peer, local, "", "", fmt.Errorf("%w: %s is no local workload", ErrBadRequest, local.Addr()))

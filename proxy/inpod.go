@@ -294,6 +294,11 @@ func (p *Proxy) inboundPlain(ctx context.Context, conn *net.TCPConn, pod *inPodP
 		reset(conn)
 		return
 	}
+	if !p.awaitSynced(ctx) {
+		p.refuse(DirectionInbound, "not-synced", src, dst, "", "", ErrNotSynced)
+		reset(conn)
+		return
+	}
 	dstW := p.state.LocalByIP(dst.Addr())
 	if dstW == nil || dstW.Name != pod.info.GetName() || dstW.Namespace != pod.info.GetNamespace() {
 		p.refuse(DirectionInbound, "unknown-destination", src, dst, "", "",

@@ -51,6 +51,8 @@ type Proxy struct {
 	ready                       atomic.Bool
 	// readyCh is closed when the proxy becomes ready.
 	readyCh chan struct{}
+	// syncWait: see awaitSynced.
+	syncWait time.Duration
 }
 
 // New builds a proxy from a validated configuration; Run starts it.
@@ -74,7 +76,33 @@ func New(cfg Config, log *slog.Logger) *Proxy {
 		outboundSlots: make(chan struct{}, maxConnections),
 		inboundSlots:  make(chan struct{}, maxConnections),
 		readyCh:       make(chan struct{}),
+		syncWait:      syncWait,
 	}
+}
+
+// syncWait bounds how long a connection that comes before xDS is synced
+// waits for it (the proxy's start, usually milliseconds) before it is
+// reset.
+const syncWait = 5 * time.Second
+
+// awaitSynced holds a connection until xDS is synced: what it is sent (a
+// tunnel, plain TCP, refused) is decided on the node agent's whole view,
+// never on part of a snapshot. It reports false if that did not come.
+func (p *Proxy) awaitSynced(ctx context.Context) bool {
+	select {
+	case <-p.xds.Synced():
+		return true
+	default:
+	}
+	t := time.NewTimer(p.syncWait)
+	defer t.Stop()
+	select {
+	case <-p.xds.Synced():
+		return true
+	case <-ctx.Done():
+	case <-t.C:
+	}
+	return false
 }
 
 // State is what xDS told the proxy.
