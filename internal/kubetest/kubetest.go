@@ -408,9 +408,33 @@ func checkExecutable(path string) error {
 }
 
 // startEtcd runs a single-member etcd with its data in dir and returns its
-// client URL once it reports healthy.
+// client URL once it reports healthy. Its ports were free a moment before
+// it binds them: when another process took one meanwhile (tests of other
+// packages run alongside), it starts again on new ports.
 func startEtcd(t testing.TB, bin, dir string) string {
 	t.Helper()
+	const attempts = 3
+	for attempt := 1; ; attempt++ {
+		clientURL, etcd, err := tryEtcd(t, bin, filepath.Join(dir, fmt.Sprintf("etcd-%d", attempt)))
+		if err == nil {
+			return clientURL
+		}
+		tail := etcd.logTail()
+		if attempt < attempts && strings.Contains(tail, "address already in use") {
+			t.Logf("kubetest: etcd lost its port to another process (%v); starting it again", err)
+			continue
+		}
+		t.Fatalf("kubetest: etcd at %s is not healthy: %v\n%s", clientURL, err, tail)
+	}
+}
+
+// tryEtcd starts etcd on two ports free a moment ago and waits until it
+// reports healthy.
+func tryEtcd(t testing.TB, bin, dir string) (string, *process, error) {
+	t.Helper()
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatalf("kubetest: %v", err)
+	}
 	clientPort, err := freePort()
 	if err != nil {
 		t.Fatalf("kubetest: %v", err)
@@ -424,7 +448,7 @@ func startEtcd(t testing.TB, bin, dir string) string {
 
 	etcd := startProcess(t, "etcd", bin, filepath.Join(dir, "etcd.log"),
 		"--name=kubetest",
-		"--data-dir="+filepath.Join(dir, "etcd"),
+		"--data-dir="+filepath.Join(dir, "data"),
 		"--listen-client-urls="+clientURL,
 		"--advertise-client-urls="+clientURL,
 		"--listen-peer-urls="+peerURL,
@@ -446,10 +470,7 @@ func startEtcd(t testing.TB, bin, dir string) string {
 		}
 		return true, nil
 	})
-	if err != nil {
-		t.Fatalf("kubetest: etcd at %s is not healthy: %v\n%s", clientURL, err, etcd.logTail())
-	}
-	return clientURL
+	return clientURL, etcd, err
 }
 
 // process is a child process whose output goes to a log file.
