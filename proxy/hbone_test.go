@@ -149,6 +149,14 @@ func newAuthority(t *testing.T) *identity.Authority {
 // connect plays web: it connects to a's outbound side as if captured,
 // and returns its end.
 func (h *hbonePair) connect(t testing.TB, dst netip.AddrPort) net.Conn {
+	return podConn(t, func(captured *net.TCPConn, src netip.AddrPort) {
+		h.a.outboundHBONE(context.Background(), captured, src, dst, h.a.state.ByIP(src.Addr()), h.a.state.ByIP(dst.Addr()), dialFrom)
+	})
+}
+
+// podConn is web's end of a connection whose other end, as captured by a
+// proxy, serve handles in its own goroutine (src: web's address and port).
+func podConn(t testing.TB, serve func(captured *net.TCPConn, src netip.AddrPort)) net.Conn {
 	l, err := net.Listen("tcp", hbWebIP+":0")
 	must(t, err)
 	defer l.Close()
@@ -158,8 +166,7 @@ func (h *hbonePair) connect(t testing.TB, dst netip.AddrPort) net.Conn {
 	t.Cleanup(func() { pod.Close() })
 	accepted, err := l.Accept()
 	must(t, err)
-	src := addrPort(pod.LocalAddr())
-	go h.a.outboundHBONE(context.Background(), accepted.(*net.TCPConn), src, dst, h.a.state.ByIP(src.Addr()), h.a.state.ByIP(dst.Addr()), dialFrom)
+	go serve(accepted.(*net.TCPConn), addrPort(pod.LocalAddr()))
 	pod.SetDeadline(time.Now().Add(5 * time.Second))
 	return pod
 }
@@ -438,16 +445,9 @@ func TestWaitsForSync(t *testing.T) {
 		dialled <- dst
 		return nil, errors.New("not dialled in this test")
 	}
-	l, err := net.Listen("tcp", hbWebIP+":0")
-	must(t, err)
-	pod, err := (&net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(hbWebIP)}}).Dial("tcp", l.Addr().String())
-	must(t, err)
-	t.Cleanup(func() { pod.Close() })
-	accepted, err := l.Accept()
-	must(t, err)
-	l.Close()
-	go outbound.outbound(ctx, accepted.(*net.TCPConn), addrPort(pod.LocalAddr()), netip.MustParseAddrPort("192.0.2.1:80"), nil, recordOnly)
-	pod.SetDeadline(time.Now().Add(5 * time.Second))
+	pod := podConn(t, func(captured *net.TCPConn, src netip.AddrPort) {
+		outbound.outbound(ctx, captured, src, netip.MustParseAddrPort("192.0.2.1:80"), nil, recordOnly)
+	})
 	h.expectReset(t, pod)
 	h.expectCount(t, outbound.metrics.Refused.WithLabelValues(DirectionOutbound, "not-synced"), 1)
 	select {

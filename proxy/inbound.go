@@ -29,9 +29,7 @@ func (p *Proxy) handleInbound(ctx context.Context, conn *net.TCPConn) {
 // source's name.
 func (p *Proxy) inbound(ctx context.Context, conn *net.TCPConn, dial dialer) {
 	local, peer := addrPort(conn.LocalAddr()), addrPort(conn.RemoteAddr())
-	if !p.awaitSynced(ctx) {
-		p.refuse(DirectionInbound, "not-synced", peer, local, "", "", ErrNotSynced)
-		reset(conn)
+	if !p.awaitSynced(ctx, conn, DirectionInbound, peer, local) {
 		return
 	}
 	dstW := p.state.LocalByIP(local.Addr())

@@ -294,9 +294,7 @@ func (p *Proxy) inboundPlain(ctx context.Context, conn *net.TCPConn, pod *inPodP
 		reset(conn)
 		return
 	}
-	if !p.awaitSynced(ctx) {
-		p.refuse(DirectionInbound, "not-synced", src, dst, "", "", ErrNotSynced)
-		reset(conn)
+	if !p.awaitSynced(ctx, conn, DirectionInbound, src, dst) {
 		return
 	}
 	dstW := p.state.LocalByIP(dst.Addr())

@@ -32,9 +32,7 @@ func (p *Proxy) handleOutbound(ctx context.Context, conn *net.TCPConn) {
 // from: the source workload must be that pod (a pod that took another's
 // address gets no certificate of the other).
 func (p *Proxy) outbound(ctx context.Context, conn *net.TCPConn, src, dst netip.AddrPort, pod *inPodPod, dial dialer) {
-	if !p.awaitSynced(ctx) {
-		p.refuse(DirectionOutbound, "not-synced", src, dst, "", "", ErrNotSynced)
-		reset(conn)
+	if !p.awaitSynced(ctx, conn, DirectionOutbound, src, dst) {
 		return
 	}
 	srcW := p.state.LocalByIP(src.Addr())

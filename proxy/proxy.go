@@ -85,10 +85,12 @@ func New(cfg Config, log *slog.Logger) *Proxy {
 // reset.
 const syncWait = 5 * time.Second
 
-// awaitSynced holds a connection until xDS is synced: what it is sent (a
-// tunnel, plain TCP, refused) is decided on the node agent's whole view,
-// never on part of a snapshot. It reports false if that did not come.
-func (p *Proxy) awaitSynced(ctx context.Context) bool {
+// awaitSynced holds a captured connection from src to dst until xDS is
+// synced: what it is sent (a tunnel, plain TCP, refused) is decided on the
+// node agent's whole view, never on part of a snapshot. If that does not
+// come, the connection is refused (reset, logged, counted) and it reports
+// false.
+func (p *Proxy) awaitSynced(ctx context.Context, conn *net.TCPConn, direction string, src, dst netip.AddrPort) bool {
 	select {
 	case <-p.xds.Synced():
 		return true
@@ -102,6 +104,8 @@ func (p *Proxy) awaitSynced(ctx context.Context) bool {
 	case <-ctx.Done():
 	case <-t.C:
 	}
+	p.refuse(direction, "not-synced", src, dst, "", "", ErrNotSynced)
+	reset(conn)
 	return false
 }
 
