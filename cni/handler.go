@@ -32,7 +32,6 @@ type handlerParams struct {
 	Pods       statedb.Table[*tables.Pod]
 	Namespaces statedb.Table[*tables.Namespace]
 	Policies   statedb.Table[*tables.Policy]
-	Endpoints  statedb.Table[*tables.Endpoint]
 	CNIPods    statedb.RWTable[*tables.CNIPod]
 	Store      *store
 	Metrics    *metrics
@@ -151,7 +150,7 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, *stated
 	if len(req.IPs) > 0 {
 		asReported.IPs = req.IPs
 	}
-	e := enrollment.Decide(h.Enrollment, txn, h.Namespaces, h.Policies, h.Endpoints, &asReported)
+	e := enrollment.Decide(h.Enrollment, txn, h.Namespaces, h.Policies, &asReported)
 	ans := plugin.Answer{Known: true, Enrolled: e.Enrolled, Reason: e.Reason}
 	if !e.Enrolled {
 		ans.Redirect = plugin.RedirectNotNeeded

@@ -107,8 +107,6 @@ func fuzzHandler(f *testing.F) (*http.ServeMux, *handler) {
 	must(err)
 	policies, err := tables.NewPoliciesTable(db)
 	must(err)
-	endpoints, err := tables.NewEndpointsTable(db)
-	must(err)
 	cniPods, err := tables.NewCNIPodsTable(db)
 	must(err)
 	wtxn := db.WriteTxn(pods, namespaces)
@@ -121,7 +119,7 @@ func fuzzHandler(f *testing.F) (*http.ServeMux, *handler) {
 	h := &handler{handlerParams{
 		Log: slog.New(slog.DiscardHandler), DB: db,
 		Enrollment: enrollment.Config{TrustDomain: "cluster.local", ExcludedNamespaces: []string{"kube-system"}},
-		Pods:       pods, Namespaces: namespaces, Policies: policies, Endpoints: endpoints, CNIPods: cniPods,
+		Pods:       pods, Namespaces: namespaces, Policies: policies, CNIPods: cniPods,
 		Store: newStore(f.TempDir()), Metrics: newMetrics(prometheus.NewRegistry()),
 	}, settlingMode{}}
 	mux := http.NewServeMux()

@@ -30,11 +30,17 @@ type Pod struct {
 	HostNetwork    bool   `json:"hostNetwork,omitempty"`
 	// RedirectReady is the node agent's published word that the pod's
 	// redirection is in place (annotation mtlsbridge.io/redirect: ready).
-	// Next to the other bool: the row fits a smaller size class (144 B,
-	// not 160).
-	RedirectReady bool         `json:"redirectReady,omitempty"`
-	Phase         string       `json:"phase,omitempty"`
-	IPs           []netip.Addr `json:"ips,omitempty"`
+	// Next to the other bool, and Identity next to both: the row fits a
+	// smaller size class (144 B, not 160).
+	RedirectReady bool `json:"redirectReady,omitempty"`
+	// Identity is the numeric Cilium security identity, from the pod's
+	// CiliumEndpoint; 0 while Cilium has not allocated one (or the
+	// endpoint is not seen yet). A column of the pod's row rather than a
+	// table of its own: a row and its index entries cost about 240 B a
+	// pod at 100,000 pods.
+	Identity uint32       `json:"identity,omitempty"`
+	Phase    string       `json:"phase,omitempty"`
+	IPs      []netip.Addr `json:"ips,omitempty"`
 }
 
 // RedirectAnnotation is published on pods whose redirection is in place,
@@ -59,7 +65,7 @@ func (p *Pod) ServiceAccountOrDefault() string {
 }
 
 func (p *Pod) TableHeader() []string {
-	return []string{"Name", "Node", "ServiceAccount", "IPs", "Phase", "HostNetwork", "Labels"}
+	return []string{"Name", "Node", "ServiceAccount", "IPs", "Phase", "HostNetwork", "Identity", "Labels"}
 }
 
 func (p *Pod) TableRow() []string {
@@ -69,7 +75,7 @@ func (p *Pod) TableRow() []string {
 	}
 	return []string{
 		p.Key(), Dash(p.NodeName), p.ServiceAccountOrDefault(), Dash(strings.Join(ips, ",")),
-		Dash(p.Phase), strconv.FormatBool(p.HostNetwork), Dash(p.Labels.String()),
+		Dash(p.Phase), strconv.FormatBool(p.HostNetwork), IdentityString(p.Identity), Dash(p.Labels.String()),
 	}
 }
 
@@ -137,4 +143,12 @@ func addrKeys(ips []netip.Addr) index.KeySet {
 // NewPodsTable creates the pods table of the agent of node.
 func NewPodsTable(db *statedb.DB, node LocalNode) (statedb.RWTable[*Pod], error) {
 	return statedb.NewTable(db, PodsTableName, podKeyIndex, podLocalIndex(node.NodeName), podIPIndex)
+}
+
+// IdentityString shows a Cilium identity in a table, "-" for none.
+func IdentityString(id uint32) string {
+	if id == 0 {
+		return "-"
+	}
+	return strconv.FormatUint(uint64(id), 10)
 }

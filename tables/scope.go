@@ -33,7 +33,6 @@ func PodScope(pod, node string) Scope {
 func (p *Pod) Scope() Scope       { return PodScope(p.Key(), p.NodeName) }
 func (n *Namespace) Scope() Scope { return Scope{Namespace: n.Name} }
 func (p *Policy) Scope() Scope    { return Scope{Namespace: p.Namespace} }
-func (e *Endpoint) Scope() Scope  { return PodScope(e.Key(), "") }
 func (n *Node) Scope() Scope      { return Scope{Node: n.Name} }
 func (p *CNIPod) Scope() Scope    { return PodScope(p.Pod, "") }
 

@@ -115,7 +115,7 @@ func TestDBCommandsAgainstRunningAgent(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &dump); err != nil {
 		t.Fatalf("db dump is not a JSON object of tables: %s", err)
 	}
-	for _, table := range []string{"pods", "namespaces", "policies", "endpoints", "nodes", "sources", "enrollments"} {
+	for _, table := range []string{"pods", "namespaces", "policies", "nodes", "sources", "enrollments"} {
 		if len(dump[table]) == 0 {
 			t.Errorf("db dump has no rows of %s", table)
 		}

@@ -34,7 +34,6 @@ type benchWorld struct {
 	pods       statedb.RWTable[*tables.Pod]
 	namespaces statedb.RWTable[*tables.Namespace]
 	policies   statedb.RWTable[*tables.Policy]
-	endpoints  statedb.RWTable[*tables.Endpoint]
 	// cniPods holds only this node's sandboxes: empty for a cluster-wide
 	// benchmark, but looked up for every pod.
 	cniPods statedb.RWTable[*tables.CNIPod]
@@ -56,8 +55,6 @@ func newBenchWorld(tb testing.TB) *benchWorld {
 	must(err)
 	w.policies, err = tables.NewPoliciesTable(db)
 	must(err)
-	w.endpoints, err = tables.NewEndpointsTable(db)
-	must(err)
 	w.cniPods, err = tables.NewCNIPodsTable(db)
 	must(err)
 	w.enrolls, err = NewTable(db, tables.LocalNode{NodeName: benchLocalNode})
@@ -78,7 +75,7 @@ func benchPod(i int, extra map[string]string) *tables.Pod {
 	return &tables.Pod{
 		Namespace: ns, Name: fmt.Sprintf("pod-%d", i), UID: fmt.Sprintf("uid-%d", i),
 		NodeName: fmt.Sprintf("node-%d", i%benchNodes), ServiceAccount: "sa-" + labels["app"],
-		Labels: tables.NewLabels(labels), Phase: "Running",
+		Labels: tables.NewLabels(labels), Phase: "Running", Identity: uint32(1000 + i%5000),
 		IPs: []netip.Addr{netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)})},
 	}
 }
@@ -102,10 +99,10 @@ func benchPolicy(i int, app int) *tables.Policy {
 
 // fill inserts the whole cluster and marks the inputs initialized.
 func (w *benchWorld) fill(tb testing.TB) {
-	txn := w.db.WriteTxn(w.pods, w.namespaces, w.policies, w.endpoints)
+	txn := w.db.WriteTxn(w.pods, w.namespaces, w.policies)
 	for _, t := range []interface {
 		RegisterInitializer(statedb.WriteTxn, string) func(statedb.WriteTxn)
-	}{w.pods, w.namespaces, w.policies, w.endpoints} {
+	}{w.pods, w.namespaces, w.policies} {
 		t.RegisterInitializer(txn, "bench")(txn)
 	}
 	for i := range benchNamespaces {
@@ -119,9 +116,7 @@ func (w *benchWorld) fill(tb testing.TB) {
 		w.policies.Insert(txn, benchPolicy(i, i%benchApps))
 	}
 	for i := range benchPods {
-		pod := benchPod(i, nil)
-		w.pods.Insert(txn, pod)
-		w.endpoints.Insert(txn, &tables.Endpoint{Namespace: pod.Namespace, Name: pod.Name, Identity: uint32(1000 + i%5000)})
+		w.pods.Insert(txn, benchPod(i, nil))
 	}
 	txn.Commit()
 }
@@ -129,7 +124,7 @@ func (w *benchWorld) fill(tb testing.TB) {
 func (w *benchWorld) derivation(tb testing.TB) *derivation {
 	d, err := newDerivation(derivationParams{
 		Config: defaultConfig, Node: tables.LocalNode{NodeName: benchLocalNode}, Log: slog.New(slog.DiscardHandler), DB: w.db,
-		Pods: w.pods, Namespaces: w.namespaces, Policies: w.policies, Endpoints: w.endpoints,
+		Pods: w.pods, Namespaces: w.namespaces, Policies: w.policies,
 		CNIPods: w.cniPods, Enrollments: w.enrolls,
 	})
 	if err != nil {
@@ -139,10 +134,10 @@ func (w *benchWorld) derivation(tb testing.TB) *derivation {
 }
 
 // BenchmarkMemoryPerPod reports the heap held per pod once everything is
-// derived: the pods, endpoints and enrollments tables with their indexes,
-// plus the namespaces and policies shared by all. It comes first in the
-// file, so that it runs first: the worlds of the other benchmarks outlive
-// them for a while and would blur the measurement.
+// derived: the pods (with their Cilium identities) and enrollments tables
+// with their indexes, plus the namespaces and policies shared by all. It
+// comes first in the file, so that it runs first: the worlds of the other
+// benchmarks outlive them for a while and would blur the measurement.
 func BenchmarkMemoryPerPod(b *testing.B) {
 	var perPod float64
 	for b.Loop() {

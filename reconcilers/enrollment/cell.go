@@ -1,8 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package enrollment derives, for every pod, whether it is enrolled for mTLS
-// and why, incrementally from the pods, namespaces, policies and endpoints
-// tables.
+// and why, incrementally from the pods, namespaces and policies tables.
 package enrollment
 
 import (

@@ -30,7 +30,6 @@ type derivationParams struct {
 	Pods        statedb.Table[*tables.Pod]
 	Namespaces  statedb.Table[*tables.Namespace]
 	Policies    statedb.Table[*tables.Policy]
-	Endpoints   statedb.Table[*tables.Endpoint]
 	CNIPods     statedb.Table[*tables.CNIPod]
 	Enrollments statedb.RWTable[*Enrollment]
 }
@@ -51,7 +50,7 @@ type derivation struct {
 
 func newDerivation(p derivationParams) (*derivation, error) {
 	d := &derivation{derivationParams: p}
-	wtxn := p.DB.WriteTxn(p.Pods, p.Namespaces, p.Policies, p.Endpoints, p.CNIPods, p.Enrollments)
+	wtxn := p.DB.WriteTxn(p.Pods, p.Namespaces, p.Policies, p.CNIPods, p.Enrollments)
 	defer wtxn.Abort()
 	pods, err := reconcilers.Follow(wtxn, p.Pods, podTouches)
 	if err != nil {
@@ -65,16 +64,12 @@ func newDerivation(p derivationParams) (*derivation, error) {
 	if err != nil {
 		return nil, err
 	}
-	endpoints, err := reconcilers.Follow(wtxn, p.Endpoints, d.endpointTouches)
-	if err != nil {
-		return nil, err
-	}
 	cniPods, err := reconcilers.Follow(wtxn, p.CNIPods, d.cniPodTouches)
 	if err != nil {
 		return nil, err
 	}
 	d.Incremental = reconcilers.NewIncremental(p.DB, p.Enrollments, p.Enrollments.RegisterInitializer(wtxn, "enrollment"),
-		d.update, pods, namespaces, policies, endpoints, cniPods)
+		d.update, pods, namespaces, policies, cniPods)
 	wtxn.Commit()
 	return d, nil
 }
@@ -82,13 +77,6 @@ func newDerivation(p derivationParams) (*derivation, error) {
 // A pod change affects that pod.
 func podTouches(_ statedb.ReadTxn, c statedb.Change[*tables.Pod], dirty map[string]struct{}) {
 	dirty[c.Object.Key()] = struct{}{}
-}
-
-// An endpoint change affects the pod of the same name (its Cilium identity).
-func (d *derivation) endpointTouches(_ statedb.ReadTxn, c statedb.Change[*tables.Endpoint], dirty map[string]struct{}) {
-	if d.updated {
-		dirty[c.Object.Key()] = struct{}{}
-	}
 }
 
 // A CNI report affects its pod: it may bring the pod's first addresses.
@@ -169,7 +157,7 @@ func (d *derivation) update(dirty map[string]struct{}) {
 	if d.anchors == nil || d.anchors.revision != d.Policies.Revision(wtxn) {
 		d.anchors = newAnchorIndex(wtxn, d.Policies)
 	}
-	in := &inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, endpoints: d.Endpoints, anchors: d.anchors}
+	in := &inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, anchors: d.anchors}
 	changed := 0
 	var logged []*Enrollment
 	// In key order: neighbouring pods share the tree nodes that the lookups

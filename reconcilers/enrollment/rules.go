@@ -28,7 +28,6 @@ type inputs struct {
 	txn        statedb.ReadTxn
 	namespaces statedb.Table[*tables.Namespace]
 	policies   statedb.Table[*tables.Policy]
-	endpoints  statedb.Table[*tables.Endpoint]
 	// anchors, when set, answers the anchor queries instead of policies.
 	anchors *anchorIndex
 	// key is the scratch buffer of anchor keys.
@@ -83,8 +82,8 @@ func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 	}
 	if e.Enrolled {
 		e.SpiffeID = spiffe.WorkloadID(cfg.TrustDomain, pod.Namespace, pod.ServiceAccountOrDefault())
-		if ep, _, found := in.endpoints.Get(in.txn, tables.EndpointByKey(pod.Key())); found && ep.Identity != 0 {
-			e.IdentitySpiffeID = spiffe.CiliumIdentityID(cfg.TrustDomain, ep.Identity)
+		if pod.Identity != 0 {
+			e.IdentitySpiffeID = spiffe.CiliumIdentityID(cfg.TrustDomain, pod.Identity)
 		}
 	}
 	return e

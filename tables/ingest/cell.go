@@ -37,7 +37,6 @@ var Cell = cell.Module(
 		func(w *writeTables) statedb.Table[*tables.Pod] { return w.Pods },
 		func(w *writeTables) statedb.Table[*tables.Namespace] { return w.Namespaces },
 		func(w *writeTables) statedb.Table[*tables.Policy] { return w.Policies },
-		func(w *writeTables) statedb.Table[*tables.Endpoint] { return w.Endpoints },
 		func(w *writeTables) statedb.Table[*tables.Node] { return w.Nodes },
 		func(w *writeTables) statedb.Table[*tables.Source] { return w.Sources },
 	),
@@ -212,9 +211,6 @@ func newWriteTables(db *statedb.DB, node tables.LocalNode, log *slog.Logger) (*w
 	if w.Policies, err = tables.NewPoliciesTable(db); err != nil {
 		return nil, err
 	}
-	if w.Endpoints, err = tables.NewEndpointsTable(db); err != nil {
-		return nil, err
-	}
 	if w.Nodes, err = tables.NewNodesTable(db); err != nil {
 		return nil, err
 	}
@@ -245,9 +241,7 @@ func startSources(p sourceParams) error {
 	}
 	d := &dirSource{dir: dir, maxBytes: p.Config.ManifestMaxBytes, log: p.Log, tables: p.Tables, settle: 50 * time.Millisecond}
 	txn := p.Tables.DB.WriteTxn(p.Tables.all()...)
-	for _, t := range []interface {
-		RegisterInitializer(statedb.WriteTxn, string) func(statedb.WriteTxn)
-	}{p.Tables.Pods, p.Tables.Namespaces, p.Tables.Policies, p.Tables.Endpoints, p.Tables.Nodes} {
+	for _, t := range []writableTable{p.Tables.Pods, p.Tables.Namespaces, p.Tables.Policies, p.Tables.Nodes} {
 		d.initDone = append(d.initDone, t.RegisterInitializer(txn, "manifests"))
 	}
 	txn.Commit()

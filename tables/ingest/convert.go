@@ -122,8 +122,8 @@ func nodeFromK8s(n *corev1.Node) *tables.Node {
 
 // endpointFromUnstructured reads status.identity.id of a CiliumEndpoint; the
 // identity stays 0 until Cilium has allocated one.
-func endpointFromUnstructured(u *unstructured.Unstructured) (*tables.Endpoint, error) {
-	ep := &tables.Endpoint{Namespace: u.GetNamespace(), Name: u.GetName()}
+func endpointFromUnstructured(u *unstructured.Unstructured) (*ciliumEndpoint, error) {
+	ep := &ciliumEndpoint{Namespace: u.GetNamespace(), Name: u.GetName()}
 	if ep.Namespace == "" {
 		ep.Namespace = corev1.NamespaceDefault
 	}

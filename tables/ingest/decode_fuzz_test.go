@@ -49,7 +49,7 @@ func FuzzDecodeManifests(f *testing.F) {
 		}
 		for _, o := range objs {
 			switch o.(type) {
-			case *tables.Pod, *tables.Namespace, *tables.Node, *tables.Policy, *tables.Endpoint:
+			case *tables.Pod, *tables.Namespace, *tables.Node, *tables.Policy, *ciliumEndpoint:
 			default:
 				t.Fatalf("decoded a %T", o)
 			}

@@ -35,12 +35,8 @@ type reflection[T any] struct {
 	lw       cache.ListerWatcher
 	expected runtime.Object
 	convert  func(obj any) (T, error)
-	// write tells this source's rows from those of another source that
-	// shares the table (CNP and CCNP both fill policies), and merges a new
-	// version with the one held (policies keep their last valid version).
-	write    tables.SyncOptions[T]
+	sink     sink[T]
 	tables   *writeTables
-	table    statedb.RWTable[T]
 	initDone func(statedb.WriteTxn)
 	log      *slog.Logger
 
@@ -92,7 +88,7 @@ func (r *reflection[T]) push(op storeOp[T]) {
 
 // apply writes a batch of store calls in one transaction.
 func (r *reflection[T]) apply(ops []storeOp[T]) {
-	txn := r.tables.DB.WriteTxn(r.table, r.tables.Sources)
+	txn := r.tables.DB.WriteTxn(r.sink.table(), r.tables.Sources)
 	defer txn.Commit()
 	src, _, found := r.tables.Sources.Get(txn, tables.SourceByName(r.name))
 	if found {
@@ -108,7 +104,7 @@ func (r *reflection[T]) apply(ops []storeOp[T]) {
 		case op.resumed:
 			src.Error = ""
 		case op.isList:
-			src.Objects = tables.Sync(txn, r.table, op.replace, r.write)
+			src.Objects = r.sink.replace(txn, op.replace)
 			src.Synced = true
 			src.Error = ""
 			if r.initDone != nil {
@@ -116,13 +112,9 @@ func (r *reflection[T]) apply(ops []storeOp[T]) {
 				r.initDone = nil
 			}
 		case op.deleted:
-			if remove(txn, r.table, op.obj) {
-				src.Objects--
-			}
+			src.Objects += r.sink.remove(txn, op.obj)
 		default:
-			if upsert(txn, r.table, op.obj, r.write.Merge) {
-				src.Objects++
-			}
+			src.Objects += r.sink.upsert(txn, op.obj)
 		}
 		if op.err != nil {
 			r.log.Error("Malformed Kubernetes object", "source", r.name, "error", op.err)
@@ -183,42 +175,45 @@ func k8sJobs(log *slog.Logger, c *Clients, w *writeTables) []job.Job {
 			return tables.ParsePolicy(kind, u.GetNamespace(), u.GetName(), u.Object), nil
 		}
 	}
-	policyWrite := func(kind tables.PolicyKind) tables.SyncOptions[*tables.Policy] {
-		return tables.SyncOptions[*tables.Policy]{
+	// CNP and CCNP both fill policies: each replaces only its own rows.
+	policySink := func(kind tables.PolicyKind) sink[*tables.Policy] {
+		return tableSink[*tables.Policy]{w.Policies, tables.SyncOptions[*tables.Policy]{
 			Owned: func(p *tables.Policy) bool { return p.Kind == kind },
 			Merge: keepLastValid(log),
-		}
+		}}
 	}
+	identities := newIdentities(w.Pods)
 	return []job.Job{
-		newReflection(log, w, w.Pods, "pods", typed("pods"), c.Kube, &corev1.Pod{},
-			func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) }, tables.SyncOptions[*tables.Pod]{}),
-		newReflection(log, w, w.Namespaces, "namespaces", typed("namespaces"), c.Kube, &corev1.Namespace{},
+		newReflection(log, w, "pods", typed("pods"), c.Kube, &corev1.Pod{},
+			func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) },
+			newPodSink(w.Pods, identities)),
+		newReflection(log, w, "ciliumendpoints", custom("ciliumendpoints"), c.Dynamic, &unstructured.Unstructured{},
+			func(obj any) (*ciliumEndpoint, error) {
+				return endpointFromUnstructured(obj.(*unstructured.Unstructured))
+			}, sink[*ciliumEndpoint](identities)),
+		newReflection(log, w, "namespaces", typed("namespaces"), c.Kube, &corev1.Namespace{},
 			func(obj any) (*tables.Namespace, error) {
 				ns := obj.(*corev1.Namespace)
 				return &tables.Namespace{Name: ns.Name, Labels: tables.NewLabels(ns.Labels)}, nil
-			}, tables.SyncOptions[*tables.Namespace]{}),
-		newReflection(log, w, w.Nodes, "nodes", typed("nodes"), c.Kube, &corev1.Node{},
-			func(obj any) (*tables.Node, error) { return nodeFromK8s(obj.(*corev1.Node)), nil }, tables.SyncOptions[*tables.Node]{}),
-		newReflection(log, w, w.Policies, "ciliumnetworkpolicies", custom("ciliumnetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
-			policy(tables.KindCNP), policyWrite(tables.KindCNP)),
-		newReflection(log, w, w.Policies, "ciliumclusterwidenetworkpolicies", custom("ciliumclusterwidenetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
-			policy(tables.KindCCNP), policyWrite(tables.KindCCNP)),
-		newReflection(log, w, w.Endpoints, "ciliumendpoints", custom("ciliumendpoints"), c.Dynamic, &unstructured.Unstructured{},
-			func(obj any) (*tables.Endpoint, error) {
-				return endpointFromUnstructured(obj.(*unstructured.Unstructured))
-			}, tables.SyncOptions[*tables.Endpoint]{}),
+			}, tableSink[*tables.Namespace]{tbl: w.Namespaces}),
+		newReflection(log, w, "nodes", typed("nodes"), c.Kube, &corev1.Node{},
+			func(obj any) (*tables.Node, error) { return nodeFromK8s(obj.(*corev1.Node)), nil }, tableSink[*tables.Node]{tbl: w.Nodes}),
+		newReflection(log, w, "ciliumnetworkpolicies", custom("ciliumnetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
+			policy(tables.KindCNP), policySink(tables.KindCNP)),
+		newReflection(log, w, "ciliumclusterwidenetworkpolicies", custom("ciliumclusterwidenetworkpolicies"), c.Dynamic, &unstructured.Unstructured{},
+			policy(tables.KindCCNP), policySink(tables.KindCCNP)),
 	}
 }
 
-func newReflection[T any](log *slog.Logger, w *writeTables, table statedb.RWTable[T], resource string,
-	lw *cache.ListWatch, client any, expected runtime.Object, convert func(any) (T, error), write tables.SyncOptions[T]) job.Job {
+func newReflection[T any](log *slog.Logger, w *writeTables, resource string,
+	lw *cache.ListWatch, client any, expected runtime.Object, convert func(any) (T, error), sink sink[T]) job.Job {
 	r := &reflection[T]{
-		name: "k8s/" + resource, expected: expected, convert: convert, write: write,
-		tables: w, table: table, log: log, kick: make(chan struct{}, 1),
+		name: "k8s/" + resource, expected: expected, convert: convert, sink: sink,
+		tables: w, log: log, kick: make(chan struct{}, 1),
 	}
 	r.lw = cache.ToListWatcherWithWatchListSemantics(r.observeErrors(lw), client)
-	txn := w.DB.WriteTxn(table)
-	r.initDone = table.RegisterInitializer(txn, r.name)
+	txn := w.DB.WriteTxn(sink.table())
+	r.initDone = sink.table().RegisterInitializer(txn, r.name)
 	txn.Commit()
 	return job.OneShot("reflect-"+resource, r.run)
 }

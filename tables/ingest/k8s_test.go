@@ -17,6 +17,7 @@ import (
 	"github.com/cilium/statedb"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/tools/cache"
@@ -29,16 +30,23 @@ import (
 func podReflection(t *testing.T, db *statedb.DB, lw *cache.ListWatch, logs *syncbuf.Buffer) (*reflection[*tables.Pod], *writeTables) {
 	w, err := newWriteTables(db, tables.LocalNode{NodeName: "node-a"}, slog.New(slog.DiscardHandler))
 	must(t, err)
-	r := &reflection[*tables.Pod]{
-		name: "k8s/pods", expected: &corev1.Pod{}, tables: w, table: w.Pods, kick: make(chan struct{}, 1),
-		convert: func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) },
-		log:     slog.New(slog.NewTextHandler(logs, nil)),
+	r := testReflection(w, "k8s/pods", &corev1.Pod{}, lw, logs,
+		func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) },
+		newPodSink(w.Pods, newIdentities(w.Pods)))
+	return r, w
+}
+
+func testReflection[T any](w *writeTables, name string, expected runtime.Object, lw *cache.ListWatch, logs *syncbuf.Buffer,
+	convert func(any) (T, error), sink sink[T]) *reflection[T] {
+	r := &reflection[T]{
+		name: name, expected: expected, tables: w, sink: sink, kick: make(chan struct{}, 1),
+		convert: convert, log: slog.New(slog.NewTextHandler(logs, nil)),
 	}
 	r.lw = cache.ToListWatcherWithWatchListSemantics(r.observeErrors(lw), listThenWatch{})
-	txn := w.DB.WriteTxn(w.Pods)
-	r.initDone = w.Pods.RegisterInitializer(txn, r.name)
+	txn := w.DB.WriteTxn(sink.table())
+	r.initDone = sink.table().RegisterInitializer(txn, r.name)
 	txn.Commit()
-	return r, w
+	return r
 }
 
 // listThenWatch makes the Reflector list, then watch (a stream of watch
@@ -177,4 +185,94 @@ func TestReflectionFollowsListAndWatch(t *testing.T) {
 	if src := sourceRow(w, "k8s/pods"); src.Objects != 1 {
 		t.Errorf("sources row counts %d objects, want 1", src.Objects)
 	}
+}
+
+func k8sEndpoint(name string, identity int64) *unstructured.Unstructured {
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "cilium.io/v2", "kind": "CiliumEndpoint",
+		"metadata": map[string]any{"namespace": "app", "name": name, "resourceVersion": "1"},
+	}}
+	if identity != 0 {
+		u.Object["status"] = map[string]any{"identity": map[string]any{"id": identity}}
+	}
+	return u
+}
+
+// The pods and the CiliumEndpoints reflections write one row: each pod
+// carries its endpoint's identity, whichever of the two came first, keeps
+// it through its own updates, and loses it with its endpoint. The pods
+// table is initialized once both have listed.
+func TestIdentitiesJoinPodsAndEndpoints(t *testing.T) {
+	logs := &syncbuf.Buffer{}
+	pods, w := podReflection(t, statedb.New(), &cache.ListWatch{}, logs)
+	ids := pods.sink.(podSink).ids
+	eps := testReflection(w, "k8s/ciliumendpoints", &unstructured.Unstructured{}, &cache.ListWatch{}, logs,
+		func(obj any) (*ciliumEndpoint, error) {
+			return endpointFromUnstructured(obj.(*unstructured.Unstructured))
+		},
+		sink[*ciliumEndpoint](ids))
+	podStore, epStore := (*reflectorStore[*tables.Pod])(pods), (*reflectorStore[*ciliumEndpoint])(eps)
+	apply := func() {
+		t.Helper()
+		eps.apply(eps.pending)
+		eps.pending = nil
+		pods.apply(pods.pending)
+		pods.pending = nil
+	}
+	check := func(what string, want map[string]uint32, endpoints int) {
+		t.Helper()
+		txn := w.DB.ReadTxn()
+		for name, id := range want {
+			pod, _, ok := w.Pods.Get(txn, tables.PodByKey("app/"+name))
+			if !ok || pod.Identity != id {
+				t.Errorf("%s: app/%s = %+v, want identity %d", what, name, pod, id)
+			}
+		}
+		if src := sourceRow(w, "k8s/ciliumendpoints"); src.Objects != endpoints {
+			t.Errorf("%s: sources row counts %d endpoints with an identity, want %d", what, src.Objects, endpoints)
+		}
+	}
+
+	// The endpoints list first: a's identity waits for its pod, b has none yet.
+	must(t, epStore.Replace([]any{k8sEndpoint("a", 100), k8sEndpoint("b", 0), k8sEndpoint("gone", 300)}, "1"))
+	apply()
+	if ok, _ := w.Pods.Initialized(w.DB.ReadTxn()); ok {
+		t.Error("pods initialized before the pods' listing")
+	}
+	must(t, podStore.Replace([]any{k8sPod("a", "10.0.0.1"), k8sPod("b", "10.0.0.2"), k8sPod("c", "10.0.0.3")}, "1"))
+	apply()
+	if ok, _ := w.Pods.Initialized(w.DB.ReadTxn()); !ok {
+		t.Error("pods not initialized after both listings")
+	}
+	check("after both listings", map[string]uint32{"a": 100, "b": 0, "c": 0}, 2)
+
+	// A pod's own update keeps its identity; an endpoint's update sets it.
+	relabelled := k8sPod("a", "10.0.0.1")
+	relabelled.Labels = map[string]string{"app": "web"}
+	must(t, podStore.Update(relabelled))
+	must(t, epStore.Update(k8sEndpoint("b", 200)))
+	apply()
+	check("after updates", map[string]uint32{"a": 100, "b": 200}, 3)
+
+	// A pod deleted and created again before its endpoint goes finds the
+	// identity again, as a new endpoint of the same name would give it;
+	// then the endpoint goes, and the identity with it.
+	must(t, podStore.Delete(k8sPod("a")))
+	apply()
+	check("pod a deleted", nil, 3)
+	must(t, podStore.Add(k8sPod("a", "10.0.0.9")))
+	apply()
+	check("pod a back", map[string]uint32{"a": 100}, 3)
+	must(t, epStore.Delete(k8sEndpoint("a", 100)))
+	apply()
+	check("endpoint a deleted", map[string]uint32{"a": 0}, 2)
+
+	// A new listing without b's endpoint clears b's identity and forgets
+	// the endpoint whose pod never came.
+	must(t, epStore.Replace([]any{k8sEndpoint("c", 400)}, "2"))
+	apply()
+	check("after a relisting", map[string]uint32{"a": 0, "b": 0, "c": 400}, 1)
+	must(t, podStore.Add(k8sPod("gone", "10.0.0.4")))
+	apply()
+	check("the pod of a forgotten endpoint", map[string]uint32{"gone": 0}, 1)
 }

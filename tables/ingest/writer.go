@@ -19,13 +19,12 @@ type writeTables struct {
 	Pods       statedb.RWTable[*tables.Pod]
 	Namespaces statedb.RWTable[*tables.Namespace]
 	Policies   statedb.RWTable[*tables.Policy]
-	Endpoints  statedb.RWTable[*tables.Endpoint]
 	Nodes      statedb.RWTable[*tables.Node]
 	Sources    statedb.RWTable[*tables.Source]
 }
 
 func (w *writeTables) all() []statedb.TableMeta {
-	return []statedb.TableMeta{w.Pods, w.Namespaces, w.Policies, w.Endpoints, w.Nodes, w.Sources}
+	return []statedb.TableMeta{w.Pods, w.Namespaces, w.Policies, w.Nodes, w.Sources}
 }
 
 // objectSet groups decoded objects by table, one per primary key: the
@@ -34,7 +33,7 @@ type objectSet struct {
 	pods       []*tables.Pod
 	namespaces []*tables.Namespace
 	policies   []*tables.Policy
-	endpoints  []*tables.Endpoint
+	endpoints  []*ciliumEndpoint
 	nodes      []*tables.Node
 	// origins of the objects added, by describe(obj).
 	origins map[string]origin
@@ -65,7 +64,7 @@ func (s *objectSet) add(obj any, from origin) (winner origin, dup bool) {
 		s.namespaces = append(s.namespaces, o)
 	case *tables.Policy:
 		s.policies = append(s.policies, o)
-	case *tables.Endpoint:
+	case *ciliumEndpoint:
 		s.endpoints = append(s.endpoints, o)
 	case *tables.Node:
 		s.nodes = append(s.nodes, o)
@@ -82,7 +81,7 @@ func describe(obj any) string {
 		return "namespace " + o.Name
 	case *tables.Policy:
 		return "policy " + o.Key()
-	case *tables.Endpoint:
+	case *ciliumEndpoint:
 		return "ciliumendpoint " + o.Key()
 	case *tables.Node:
 		return "node " + o.Name
@@ -90,35 +89,81 @@ func describe(obj any) string {
 	return fmt.Sprintf("%T", obj)
 }
 
-// replaceAll makes every table hold exactly the objects of the set.
+// replaceAll makes every table hold exactly the objects of the set, each
+// pod with the identity of its CiliumEndpoint.
 func (w *writeTables) replaceAll(txn statedb.WriteTxn, s *objectSet) {
-	tables.Sync(txn, w.Pods, s.pods, tables.SyncOptions[*tables.Pod]{})
+	identities := make(map[string]uint32, len(s.endpoints))
+	for _, ep := range s.endpoints {
+		identities[ep.Key()] = ep.Identity
+	}
+	pods := make([]*tables.Pod, len(s.pods))
+	for i, pod := range s.pods {
+		// A copy: the decoded pod is shared with its file's sources row.
+		if id := identities[pod.Key()]; id != pod.Identity {
+			c := *pod
+			c.Identity = id
+			pod = &c
+		}
+		pods[i] = pod
+	}
+	tables.Sync(txn, w.Pods, pods, tables.SyncOptions[*tables.Pod]{})
 	tables.Sync(txn, w.Namespaces, s.namespaces, tables.SyncOptions[*tables.Namespace]{})
 	tables.Sync(txn, w.Policies, s.policies, tables.SyncOptions[*tables.Policy]{Merge: keepLastValid(w.log)})
-	tables.Sync(txn, w.Endpoints, s.endpoints, tables.SyncOptions[*tables.Endpoint]{})
 	tables.Sync(txn, w.Nodes, s.nodes, tables.SyncOptions[*tables.Node]{})
 }
 
-// upsert inserts obj unless an equal object is already there, so that
-// consumers of the table's changes see only real changes. It reports
-// whether the object is new.
-func upsert[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T, merge func(T, bool, T) T) (added bool) {
-	q, _ := tbl.PrimaryIndexer().QueryFromObject(obj)
-	old, _, found := tbl.Get(txn, q)
-	if merge != nil {
-		obj = merge(old, found, obj)
-	}
-	if found && reflect.DeepEqual(old, obj) {
-		return false
-	}
-	tbl.Insert(txn, obj)
-	return !found
+// sink is where a Kubernetes reflection writes what it reads. Each method
+// returns by how much the count of the source's objects changes.
+type sink[T any] interface {
+	// table is the table written, locked for each batch.
+	table() writableTable
+	// replace makes the table hold what a full listing says.
+	replace(txn statedb.WriteTxn, listed []T) (objects int)
+	upsert(txn statedb.WriteTxn, obj T) (delta int)
+	remove(txn statedb.WriteTxn, obj T) (delta int)
 }
 
-// remove deletes the object with obj's primary key. It reports whether it was there.
-func remove[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], obj T) (removed bool) {
-	_, hadOld, _ := tbl.Delete(txn, obj)
-	return hadOld
+type writableTable interface {
+	statedb.TableMeta
+	RegisterInitializer(txn statedb.WriteTxn, name string) func(statedb.WriteTxn)
+}
+
+// tableSink writes objects as the rows of a table, keyed as the table is.
+type tableSink[T any] struct {
+	tbl  statedb.RWTable[T]
+	opts tables.SyncOptions[T]
+}
+
+func (s tableSink[T]) table() writableTable { return s.tbl }
+
+func (s tableSink[T]) replace(txn statedb.WriteTxn, listed []T) int {
+	return tables.Sync(txn, s.tbl, listed, s.opts)
+}
+
+// upsert inserts obj unless an equal row is already there, so that
+// consumers of the table's changes see only real changes.
+func (s tableSink[T]) upsert(txn statedb.WriteTxn, obj T) int {
+	q, _ := s.tbl.PrimaryIndexer().QueryFromObject(obj)
+	old, _, found := s.tbl.Get(txn, q)
+	if s.opts.Merge != nil {
+		obj = s.opts.Merge(old, found, obj)
+	}
+	if found && reflect.DeepEqual(old, obj) {
+		return 0
+	}
+	s.tbl.Insert(txn, obj)
+	if found {
+		return 0
+	}
+	return 1
+}
+
+// remove deletes the row with obj's primary key.
+func (s tableSink[T]) remove(txn statedb.WriteTxn, obj T) int {
+	if _, hadOld, _ := s.tbl.Delete(txn, obj); hadOld {
+		return -1
+	}
+	return 0
 }
 
 // keepLastValid is how a new version of a policy is written: an invalid
