@@ -9,11 +9,16 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/binary"
+	"encoding/pem"
 	"fmt"
 	"io"
 	"math/big"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -27,16 +32,20 @@ const (
 	pingPort   = 9001 // answers each 1 KiB with 1 KiB
 	acceptPort = 9002 // writes one byte and closes
 	tlsPort    = 9443 // the sink over TLS 1.3
+	relayPort  = 9444 // the reference relay's TLS side
 	chunk      = 1 << 20
 	message    = 1 << 10
 	idleConns  = 200
 )
 
 // BenchmarkMTLS measures, side by side on the testbed, what the proxies
-// cost: enrolled -> enrolled across nodes (two proxies, mTLS), the same
-// kind of pods not enrolled (direct TCP), and one TLS 1.3 connection
-// between the two namespaces of the pods not enrolled (crypto/tls, the
-// same library and key type as the proxies'):
+// cost: enrolled -> enrolled across nodes (mtls: two proxies), the same
+// kind of pods not enrolled (plain: direct TCP), one TLS 1.3 connection
+// between the two namespaces of the pods not enrolled (tls: crypto/tls, the
+// same library and key type as the proxies'), those pods through the
+// reference relay (relay, see serveRelay: what a Go agent on this path
+// costs at the least), and enrolled -> not enrolled (plain-via-proxy: the
+// source's proxy relays plain TCP):
 //
 //   - throughput of one TCP stream (MB/s);
 //   - 1 KiB request/response latency on an open connection (p50, p99);
@@ -48,6 +57,9 @@ const (
 // Needs root (skips otherwise).
 func BenchmarkMTLS(b *testing.B) {
 	bd := newBed(b, newFolderCluster(b))
+	// No capture of the underlay while measuring: it copies every frame
+	// into this process, a cost the product's path does not have.
+	bd.underlay.Close()
 	na, nb := bd.nodes[0], bd.nodes[1]
 	a1, b1 := na.addPod("a1", "app", true, false), nb.addPod("b1", "app", true, false)
 	aplain, bplain := na.addPod("aplain", "app", false, false), nb.addPod("bplain", "app", false, false)
@@ -57,20 +69,24 @@ func BenchmarkMTLS(b *testing.B) {
 		serveBench(b, p)
 	}
 	tlsConfig := serveTLS(b, bplain)
+	serveRelay(b, na, nb, bplain)
 	paths := []struct {
-		name     string
-		from, to *bedPod
-		port     uint16
-		tls      bool
+		name string
+		from *bedPod
+		to   netip.Addr
+		port uint16
+		tls  bool
 	}{
-		{"mtls", a1, b1, sinkPort, false},
-		{"plain", aplain, bplain, sinkPort, false},
-		{"tls", aplain, bplain, tlsPort, true},
+		{"mtls", a1, b1.ip4, sinkPort, false},
+		{"plain", aplain, bplain.ip4, sinkPort, false},
+		{"tls", aplain, bplain.ip4, tlsPort, true},
+		{"relay", aplain, na.ns.Addr4, sinkPort, false},
+		{"plain-via-proxy", a1, bplain.ip4, sinkPort, false},
 	}
-	dial := func(b *testing.B, from, to *bedPod, port uint16, useTLS bool) net.Conn {
+	dial := func(b *testing.B, from *bedPod, to netip.Addr, port uint16, useTLS bool) net.Conn {
 		var c net.Conn
 		must(b, from.ns.Do(func() (err error) {
-			c, err = net.DialTimeout("tcp", netip.AddrPortFrom(to.ip4, port).String(), requestTimeout)
+			c, err = net.DialTimeout("tcp", netip.AddrPortFrom(to, port).String(), requestTimeout)
 			return err
 		}))
 		if useTLS {
@@ -137,7 +153,7 @@ func BenchmarkMTLS(b *testing.B) {
 
 	b.Run("connections", func(b *testing.B) {
 		for _, p := range paths {
-			if p.tls {
+			if p.tls || p.name == "relay" {
 				continue
 			}
 			// Four clients at a time: what the proxies sustain, not one
@@ -149,7 +165,7 @@ func BenchmarkMTLS(b *testing.B) {
 					for pb.Next() {
 						var c net.Conn
 						err := p.from.ns.Do(func() (err error) {
-							c, err = net.DialTimeout("tcp", netip.AddrPortFrom(p.to.ip4, acceptPort).String(), requestTimeout)
+							c, err = net.DialTimeout("tcp", netip.AddrPortFrom(p.to, acceptPort).String(), requestTimeout)
 							return err
 						})
 						if err != nil {
@@ -177,7 +193,7 @@ func BenchmarkMTLS(b *testing.B) {
 			before := liveMemory(b, na) + liveMemory(b, nb)
 			var conns []net.Conn
 			for range idleConns {
-				c := dial(b, a1, b1, pingPort, false)
+				c := dial(b, a1, b1.ip4, pingPort, false)
 				// One exchange: the tunnel is up at both ends.
 				c.Write(make([]byte, message))
 				c.SetReadDeadline(time.Now().Add(requestTimeout))
@@ -246,34 +262,205 @@ func sink(c net.Conn) {
 	fmt.Fprintf(c, "%d\n", n)
 }
 
-// serveTLS runs a TLS 1.3 sink in the pod with a fresh ECDSA P-256
-// certificate, and returns a client configuration that trusts it.
+// serveTLS runs a TLS 1.3 sink in the pod, and returns a client
+// configuration that trusts it.
 func serveTLS(t testing.TB, p *bedPod) *tls.Config {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	pemData := selfSigned(t, p.ip4)
+	server, err := serverTLS(pemData)
 	must(t, err)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{p.ip4.AsSlice()}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
-	must(t, err)
-	cert, err := x509.ParseCertificate(der)
-	must(t, err)
-	pool := x509.NewCertPool()
-	pool.AddCert(cert)
-	server := &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}}
 	var l net.Listener
 	must(t, p.ns.Do(func() (err error) {
 		l, err = tls.Listen("tcp", netip.AddrPortFrom(p.ip4, tlsPort).String(), server)
 		return err
 	}))
 	t.Cleanup(func() { l.Close() })
+	go acceptEach(l, sink)
+	return clientTLS(pemData, p.ip4)
+}
+
+// selfSigned returns a fresh ECDSA P-256 certificate for ip and its key,
+// in PEM.
+func selfSigned(t testing.TB, ip netip.Addr) []byte {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	must(t, err)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
+		IPAddresses: []net.IP{ip.AsSlice()}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	must(t, err)
+	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	must(t, err)
+	return append(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
+		pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER})...)
+}
+
+// serverTLS and clientTLS are the TLS 1.3 configurations of a certificate
+// and key in PEM, and of a client that trusts that certificate at ip.
+func serverTLS(pemData []byte) (*tls.Config, error) {
+	cert, err := tls.X509KeyPair(pemData, pemData)
+	return &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert}}, err
+}
+
+func clientTLS(pemData []byte, ip netip.Addr) *tls.Config {
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(pemData)
+	return &tls.Config{MinVersion: tls.VersionTLS13, RootCAs: pool, ServerName: ip.String()}
+}
+
+// acceptEach serves each connection l accepts in its own goroutine, until
+// l is closed.
+func acceptEach(l net.Listener, handle func(net.Conn)) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() { defer c.Close(); handle(c) }()
+	}
+}
+
+// The reference relay (serveRelay) is this test binary run again, in a
+// node's namespace, with relayEnv set to its role: "entry" takes plain TCP
+// on the addresses of relayEnv_LISTEN and relays it over TLS to
+// relayEnv_TO; "exit" takes that TLS on relayEnv_LISTEN and relays it as
+// plain TCP to the port the entry asked for at the address relayEnv_TO.
+// relayEnv_PEM is the exit's certificate and key, which the entry trusts.
+const relayEnv = "MTLSBRIDGE_E2E_RELAY"
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv(relayEnv); role != "" {
+		if err := runRelay(role, os.Getenv(relayEnv+"_LISTEN"), os.Getenv(relayEnv+"_TO"), os.Getenv(relayEnv+"_PEM")); err != nil {
+			fmt.Fprintln(os.Stderr, "relay:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	os.Exit(m.Run())
+}
+
+// serveRelay runs the simplest relay a Go mTLS agent could be, as two
+// processes like the proxies: node from takes plain TCP on its address at
+// the sink and ping ports, and relays each connection over its own TLS 1.3
+// connection to node to, which relays it as plain TCP to the same port of
+// dst. The same three TCP connections, one encryption and one process
+// per node as the proxies' path, without capture, HTTP/2, identities,
+// record batching or metrics: what the proxies' figures compare with.
+func serveRelay(t testing.TB, from, to *bedNode, dst *bedPod) {
+	pemData := selfSigned(t, to.ns.Addr4)
+	pemFile := filepath.Join(t.TempDir(), "relay.pem")
+	must(t, os.WriteFile(pemFile, pemData, 0o600))
+	exit := netip.AddrPortFrom(to.ns.Addr4, relayPort)
+	startRelay(t, to.ns.Name, "exit", exit.String(), dst.ip4.String(), pemFile)
+	startRelay(t, from.ns.Name, "entry", netip.AddrPortFrom(from.ns.Addr4, sinkPort).String()+","+
+		netip.AddrPortFrom(from.ns.Addr4, pingPort).String(), exit.String(), pemFile)
+}
+
+// startRelay starts a relay process in the namespace netns and waits until
+// it listens; it is killed at the end of the test.
+func startRelay(t testing.TB, netns, role, listen, to, pemFile string) {
+	exe, err := os.Executable()
+	must(t, err)
+	cmd := exec.Command("nsenter", "--net=/run/netns/"+netns, "--", exe)
+	// One thread, as the proxies take on this 2-core testbed.
+	cmd.Env = append(os.Environ(), "GOMAXPROCS=1",
+		relayEnv+"="+role, relayEnv+"_LISTEN="+listen, relayEnv+"_TO="+to, relayEnv+"_PEM="+pemFile)
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	must(t, err)
+	must(t, cmd.Start())
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	ready := make(chan error, 1)
 	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
+		line, err := bufio.NewReader(out).ReadString('\n')
+		if err == nil && line != "ready\n" {
+			err = fmt.Errorf("said %q", line)
+		}
+		ready <- err
+	}()
+	select {
+	case err := <-ready:
+		if err != nil {
+			t.Fatalf("%s relay: %v", role, err)
+		}
+	case <-time.After(requestTimeout):
+		t.Fatalf("%s relay not listening after %s", role, requestTimeout)
+	}
+}
+
+// runRelay is a relay process's life: it listens, says "ready" and relays
+// until killed.
+func runRelay(role, listen, to, pemFile string) error {
+	pemData, err := os.ReadFile(pemFile)
+	if err != nil {
+		return err
+	}
+	switch role {
+	case "exit":
+		dst, err := netip.ParseAddr(to)
+		if err != nil {
+			return err
+		}
+		server, err := serverTLS(pemData)
+		if err != nil {
+			return err
+		}
+		l, err := tls.Listen("tcp", listen, server)
+		if err != nil {
+			return err
+		}
+		fmt.Println("ready")
+		acceptEach(l, func(c net.Conn) {
+			// The first two bytes name the port to reach.
+			var port [2]byte
+			if _, err := io.ReadFull(c, port[:]); err != nil {
 				return
 			}
-			go func() { defer c.Close(); sink(c) }()
+			up, err := net.DialTimeout("tcp", netip.AddrPortFrom(dst, binary.BigEndian.Uint16(port[:])).String(), requestTimeout)
+			if err == nil {
+				pipe(c, up)
+			}
+		})
+		return nil
+	case "entry":
+		next, err := netip.ParseAddrPort(to)
+		if err != nil {
+			return err
 		}
-	}()
-	return &tls.Config{MinVersion: tls.VersionTLS13, RootCAs: pool, ServerName: p.ip4.String()}
+		client := clientTLS(pemData, next.Addr())
+		for _, addr := range strings.Split(listen, ",") {
+			l, err := net.Listen("tcp", addr)
+			if err != nil {
+				return err
+			}
+			port := l.Addr().(*net.TCPAddr).AddrPort().Port()
+			go acceptEach(l, func(c net.Conn) {
+				up, err := net.DialTimeout("tcp", next.String(), requestTimeout)
+				if err != nil {
+					return
+				}
+				tc := tls.Client(up, client)
+				if _, err := tc.Write(binary.BigEndian.AppendUint16(nil, port)); err == nil {
+					pipe(c, tc)
+				}
+			})
+		}
+		fmt.Println("ready")
+		select {}
+	}
+	return fmt.Errorf("unknown role %q", role)
+}
+
+// pipe copies both ways, each end passed on as a half-close, with the
+// proxies' large buffer, until both directions ended.
+func pipe(a, b net.Conn) {
+	defer a.Close()
+	defer b.Close()
+	oneWay := func(to, from net.Conn) {
+		// Through the buffer: io.Copy would pick 32 KiB or splice instead.
+		io.CopyBuffer(struct{ io.Writer }{to}, struct{ io.Reader }{from}, make([]byte, 256<<10))
+		closeWrite(to)
+	}
+	done := make(chan struct{})
+	go func() { oneWay(b, a); close(done) }()
+	oneWay(a, b)
+	<-done
 }
