@@ -123,6 +123,7 @@ type sink[T any] interface {
 	remove(txn statedb.WriteTxn, obj T) (delta int)
 }
 
+// writableTable is a table a source writes and marks initialized.
 type writableTable interface {
 	statedb.TableMeta
 	RegisterInitializer(txn statedb.WriteTxn, name string) func(statedb.WriteTxn)
