@@ -7,6 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"math/rand"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -198,11 +200,18 @@ func k8sEndpoint(name string, identity int64) *unstructured.Unstructured {
 	return u
 }
 
-// The pods and the CiliumEndpoints reflections write one row: each pod
-// carries its endpoint's identity, whichever of the two came first, keeps
-// it through its own updates, and loses it with its endpoint. The pods
-// table is initialized once both have listed.
-func TestIdentitiesJoinPodsAndEndpoints(t *testing.T) {
+// joinWorld is a pods and a CiliumEndpoints reflection writing one pods
+// table, fed through their Reflector stores.
+type joinWorld struct {
+	w        *writeTables
+	ids      *identities
+	pods     *reflection[*tables.Pod]
+	eps      *reflection[*ciliumEndpoint]
+	podStore *reflectorStore[*tables.Pod]
+	epStore  *reflectorStore[*ciliumEndpoint]
+}
+
+func newJoinWorld(t *testing.T) *joinWorld {
 	logs := &syncbuf.Buffer{}
 	pods, w := podReflection(t, statedb.New(), &cache.ListWatch{}, logs)
 	ids := pods.sink.(podSink).ids
@@ -211,14 +220,32 @@ func TestIdentitiesJoinPodsAndEndpoints(t *testing.T) {
 			return endpointFromUnstructured(obj.(*unstructured.Unstructured))
 		},
 		sink[*ciliumEndpoint](ids))
-	podStore, epStore := (*reflectorStore[*tables.Pod])(pods), (*reflectorStore[*ciliumEndpoint])(eps)
-	apply := func() {
-		t.Helper()
-		eps.apply(eps.pending)
-		eps.pending = nil
-		pods.apply(pods.pending)
-		pods.pending = nil
+	return &joinWorld{w: w, ids: ids, pods: pods, eps: eps,
+		podStore: (*reflectorStore[*tables.Pod])(pods), epStore: (*reflectorStore[*ciliumEndpoint])(eps)}
+}
+
+// apply writes what each reflection received, the pods' batch first when
+// podsFirst: the two are written in any order.
+func (j *joinWorld) apply(podsFirst bool) {
+	pods := func() { j.pods.apply(j.pods.pending); j.pods.pending = nil }
+	eps := func() { j.eps.apply(j.eps.pending); j.eps.pending = nil }
+	if podsFirst {
+		pods()
+		eps()
+	} else {
+		eps()
+		pods()
 	}
+}
+
+// The pods and the CiliumEndpoints reflections write one row: each pod
+// carries its endpoint's identity, whichever of the two came first, keeps
+// it through its own updates, and loses it with its endpoint. The pods
+// table is initialized once both have listed.
+func TestIdentitiesJoinPodsAndEndpoints(t *testing.T) {
+	j := newJoinWorld(t)
+	w, podStore, epStore := j.w, j.podStore, j.epStore
+	apply := func() { j.apply(false) }
 	check := func(what string, want map[string]uint32, endpoints int) {
 		t.Helper()
 		txn := w.DB.ReadTxn()
@@ -275,4 +302,97 @@ func TestIdentitiesJoinPodsAndEndpoints(t *testing.T) {
 	must(t, podStore.Add(k8sPod("gone", "10.0.0.4")))
 	apply()
 	check("the pod of a forgotten endpoint", map[string]uint32{"gone": 0}, 1)
+}
+
+// Whatever the order of pod and endpoint events and listings, and of the
+// two reflections' batches, each pod row carries its endpoint's identity,
+// what waits is exactly the identities of endpoints without a pod, and
+// the sources row counts the endpoints with an identity.
+func TestIdentitiesFollowAnyOrder(t *testing.T) {
+	names := []string{"a", "b", "c", "d"}
+	for seed := range int64(200) {
+		rng := rand.New(rand.NewSource(seed))
+		j := newJoinWorld(t)
+		// What the API server holds: pods by name, endpoints' identities.
+		pods, eps := map[string]bool{}, map[string]uint32{}
+		identity := func() uint32 { return []uint32{0, 100, 101, 102}[rng.Intn(4)] }
+		relistPods := func() {
+			clear(pods)
+			var list []any
+			for _, n := range names {
+				if rng.Intn(2) == 0 {
+					pods[n] = true
+					list = append(list, k8sPod(n, "10.0.0.1"))
+				}
+			}
+			must(t, j.podStore.Replace(list, "1"))
+		}
+		relistEndpoints := func() {
+			clear(eps)
+			var list []any
+			for _, n := range names {
+				if rng.Intn(2) == 0 {
+					eps[n] = identity()
+					list = append(list, k8sEndpoint(n, int64(eps[n])))
+				}
+			}
+			must(t, j.epStore.Replace(list, "1"))
+		}
+		var history []string
+		relistPods()
+		relistEndpoints()
+		for step := range 60 {
+			n := names[rng.Intn(len(names))]
+			switch op := rng.Intn(6); op {
+			case 0:
+				pods[n] = true
+				must(t, j.podStore.Update(k8sPod(n, "10.0.0.1")))
+				history = append(history, "pod "+n)
+			case 1:
+				delete(pods, n)
+				must(t, j.podStore.Delete(k8sPod(n)))
+				history = append(history, "-pod "+n)
+			case 2:
+				eps[n] = identity()
+				must(t, j.epStore.Update(k8sEndpoint(n, int64(eps[n]))))
+				history = append(history, fmt.Sprintf("ep %s=%d", n, eps[n]))
+			case 3:
+				delete(eps, n)
+				must(t, j.epStore.Delete(k8sEndpoint(n, 0)))
+				history = append(history, "-ep "+n)
+			case 4:
+				relistPods()
+				history = append(history, fmt.Sprintf("pods %v", slices.Sorted(maps.Keys(pods))))
+			case 5:
+				relistEndpoints()
+				history = append(history, fmt.Sprintf("eps %v", eps))
+			}
+			if rng.Intn(3) > 0 {
+				continue // more events in the same batches
+			}
+			j.apply(rng.Intn(2) == 0)
+			txn := j.w.DB.ReadTxn()
+			waiting, withIdentity := 0, 0
+			for _, n := range names {
+				row, _, found := j.w.Pods.Get(txn, tables.PodByKey("app/"+n))
+				if found != pods[n] || (found && row.Identity != eps[n]) {
+					t.Fatalf("seed %d step %d: app/%s row %+v (found %v), want found %v with identity %d; events since the last check: %v",
+						seed, step, n, row, found, pods[n], eps[n], history)
+				}
+				if eps[n] != 0 {
+					withIdentity++
+					if !pods[n] {
+						waiting++
+					}
+				}
+			}
+			if len(j.ids.waiting) != waiting {
+				t.Fatalf("seed %d step %d: %d identities waiting (%v), want %d; events since the last check: %v", seed, step, len(j.ids.waiting), j.ids.waiting, waiting, history)
+			}
+			if src := sourceRow(j.w, "k8s/ciliumendpoints"); src.Objects != withIdentity {
+				t.Fatalf("seed %d step %d: sources row counts %d, want %d; events since the last check: %v", seed, step, src.Objects, withIdentity, history)
+			}
+			history = history[:0]
+		}
+	}
 }
