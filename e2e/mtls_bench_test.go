@@ -306,18 +306,6 @@ func clientTLS(pemData []byte, ip netip.Addr) *tls.Config {
 	return &tls.Config{MinVersion: tls.VersionTLS13, RootCAs: pool, ServerName: ip.String()}
 }
 
-// acceptEach serves each connection l accepts in its own goroutine, until
-// l is closed.
-func acceptEach(l net.Listener, handle func(net.Conn)) {
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return
-		}
-		go func() { defer c.Close(); handle(c) }()
-	}
-}
-
 // The reference relay (serveRelay) is this test binary run again, in a
 // node's namespace, with relayEnv set to its role: "entry" takes plain TCP
 // on the addresses of relayEnv_LISTEN and relays it over TLS to
@@ -438,9 +426,11 @@ func runRelay(role, listen, to, pemFile string) error {
 					return
 				}
 				tc := tls.Client(up, client)
-				if _, err := tc.Write(binary.BigEndian.AppendUint16(nil, port)); err == nil {
-					pipe(c, tc)
+				if _, err := tc.Write(binary.BigEndian.AppendUint16(nil, port)); err != nil {
+					tc.Close()
+					return
 				}
+				pipe(c, tc)
 			})
 		}
 		fmt.Println("ready")

@@ -569,15 +569,19 @@ func serve(t testing.TB, p *bedPod, port uint16, handle func(net.Conn)) {
 			return err
 		}))
 		t.Cleanup(func() { l.Close() })
-		go func() {
-			for {
-				c, err := l.Accept()
-				if err != nil {
-					return
-				}
-				go func() { defer c.Close(); handle(c) }()
-			}
-		}()
+		go acceptEach(l, handle)
+	}
+}
+
+// acceptEach serves each connection l accepts in its own goroutine, until
+// l is closed.
+func acceptEach(l net.Listener, handle func(net.Conn)) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() { defer c.Close(); handle(c) }()
 	}
 }
 
