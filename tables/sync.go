@@ -24,6 +24,9 @@ type SyncOptions[T any] struct {
 	// the same key (found is false when none) and the new one; e.g.
 	// KeepLastValid for policies.
 	Merge func(old T, found bool, new T) T
+	// Gone is called with each row Sync deletes, e.g. to keep what the
+	// row held that outlives it.
+	Gone func(T)
 }
 
 // Sync makes tbl hold exactly rows, among the rows it owns: owned rows not
@@ -52,6 +55,9 @@ func Sync[T any](txn statedb.WriteTxn, tbl statedb.RWTable[T], rows []T, opts Sy
 	}
 	for _, row := range gone {
 		tbl.Delete(txn, row)
+		if opts.Gone != nil {
+			opts.Gone(row)
+		}
 	}
 	for _, row := range want {
 		if q, ok := idx.QueryFromObject(row); ok {

@@ -143,32 +143,9 @@ func (ids *identities) set(txn statedb.WriteTxn, key string, id uint32) (delta i
 	return 0
 }
 
-// podSink writes the pods' rows with the identities of their endpoints.
-type podSink struct {
-	tableSink[*tables.Pod]
-	ids *identities
-}
-
-func newPodSink(pods statedb.RWTable[*tables.Pod], ids *identities) podSink {
-	return podSink{tableSink[*tables.Pod]{pods, tables.SyncOptions[*tables.Pod]{Merge: ids.keep}}, ids}
-}
-
-func (s podSink) replace(txn statedb.WriteTxn, listed []*tables.Pod) int {
-	keys := make(map[string]struct{}, len(listed))
-	for _, pod := range listed {
-		keys[pod.Key()] = struct{}{}
-	}
-	for pod := range s.tbl.All(txn) {
-		if _, ok := keys[pod.Key()]; !ok {
-			s.ids.release(pod)
-		}
-	}
-	return s.tableSink.replace(txn, listed)
-}
-
-func (s podSink) remove(txn statedb.WriteTxn, pod *tables.Pod) int {
-	if old, _, found := s.tbl.Get(txn, tables.PodByKey(pod.Key())); found {
-		s.ids.release(old)
-	}
-	return s.tableSink.remove(txn, pod)
+// podSink writes the pods' rows with the identities of their endpoints:
+// a new row takes the identity waiting for it, a row that goes leaves its
+// identity waiting.
+func podSink(pods statedb.RWTable[*tables.Pod], ids *identities) tableSink[*tables.Pod] {
+	return tableSink[*tables.Pod]{pods, tables.SyncOptions[*tables.Pod]{Merge: ids.keep, Gone: ids.release}}
 }

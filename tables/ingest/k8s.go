@@ -186,7 +186,7 @@ func k8sJobs(log *slog.Logger, c *Clients, w *writeTables) []job.Job {
 	return []job.Job{
 		newReflection(log, w, "pods", typed("pods"), c.Kube, &corev1.Pod{},
 			func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) },
-			newPodSink(w.Pods, identities)),
+			podSink(w.Pods, identities)),
 		newReflection(log, w, "ciliumendpoints", custom("ciliumendpoints"), c.Dynamic, &unstructured.Unstructured{},
 			func(obj any) (*ciliumEndpoint, error) {
 				return endpointFromUnstructured(obj.(*unstructured.Unstructured))

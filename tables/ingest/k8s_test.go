@@ -32,10 +32,12 @@ import (
 func podReflection(t *testing.T, db *statedb.DB, lw *cache.ListWatch, logs *syncbuf.Buffer) (*reflection[*tables.Pod], *writeTables) {
 	w, err := newWriteTables(db, tables.LocalNode{NodeName: "node-a"}, slog.New(slog.DiscardHandler))
 	must(t, err)
-	r := testReflection(w, "k8s/pods", &corev1.Pod{}, lw, logs,
-		func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) },
-		newPodSink(w.Pods, newIdentities(w.Pods)))
-	return r, w
+	return testPodReflection(w, lw, logs, newIdentities(w.Pods)), w
+}
+
+func testPodReflection(w *writeTables, lw *cache.ListWatch, logs *syncbuf.Buffer, ids *identities) *reflection[*tables.Pod] {
+	return testReflection(w, "k8s/pods", &corev1.Pod{}, lw, logs,
+		func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) }, podSink(w.Pods, ids))
 }
 
 func testReflection[T any](w *writeTables, name string, expected runtime.Object, lw *cache.ListWatch, logs *syncbuf.Buffer,
@@ -213,8 +215,10 @@ type joinWorld struct {
 
 func newJoinWorld(t *testing.T) *joinWorld {
 	logs := &syncbuf.Buffer{}
-	pods, w := podReflection(t, statedb.New(), &cache.ListWatch{}, logs)
-	ids := pods.sink.(podSink).ids
+	w, err := newWriteTables(statedb.New(), tables.LocalNode{NodeName: "node-a"}, slog.New(slog.DiscardHandler))
+	must(t, err)
+	ids := newIdentities(w.Pods)
+	pods := testPodReflection(w, &cache.ListWatch{}, logs, ids)
 	eps := testReflection(w, "k8s/ciliumendpoints", &unstructured.Unstructured{}, &cache.ListWatch{}, logs,
 		func(obj any) (*ciliumEndpoint, error) {
 			return endpointFromUnstructured(obj.(*unstructured.Unstructured))

@@ -161,10 +161,14 @@ func (s tableSink[T]) upsert(txn statedb.WriteTxn, obj T) int {
 
 // remove deletes the row with obj's primary key.
 func (s tableSink[T]) remove(txn statedb.WriteTxn, obj T) int {
-	if _, hadOld, _ := s.tbl.Delete(txn, obj); hadOld {
-		return -1
+	old, hadOld, _ := s.tbl.Delete(txn, obj)
+	if !hadOld {
+		return 0
 	}
-	return 0
+	if s.opts.Gone != nil {
+		s.opts.Gone(old)
+	}
+	return -1
 }
 
 // keepLastValid is how a new version of a policy is written: an invalid
