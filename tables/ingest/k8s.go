@@ -207,15 +207,24 @@ func k8sJobs(log *slog.Logger, c *Clients, w *writeTables) []job.Job {
 
 func newReflection[T any](log *slog.Logger, w *writeTables, resource string,
 	lw *cache.ListWatch, client any, expected runtime.Object, convert func(any) (T, error), sink sink[T]) job.Job {
+	r := makeReflection(log, w, "k8s/"+resource, lw, client, expected, convert, sink)
+	return job.OneShot("reflect-"+resource, r.run)
+}
+
+// makeReflection is the reflection of lw into sink, named name, its
+// table's initializer registered; client says whether the API server
+// streams the initial listing as watch events.
+func makeReflection[T any](log *slog.Logger, w *writeTables, name string,
+	lw *cache.ListWatch, client any, expected runtime.Object, convert func(any) (T, error), sink sink[T]) *reflection[T] {
 	r := &reflection[T]{
-		name: "k8s/" + resource, expected: expected, convert: convert, sink: sink,
+		name: name, expected: expected, convert: convert, sink: sink,
 		tables: w, log: log, kick: make(chan struct{}, 1),
 	}
 	r.lw = cache.ToListWatcherWithWatchListSemantics(r.observeErrors(lw), client)
 	txn := w.DB.WriteTxn(sink.table())
 	r.initDone = sink.table().RegisterInitializer(txn, r.name)
 	txn.Commit()
-	return job.OneShot("reflect-"+resource, r.run)
+	return r
 }
 
 // retryBackoff paces the retries of a list or watch that failed. client-go's

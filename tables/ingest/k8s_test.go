@@ -36,21 +36,8 @@ func podReflection(t *testing.T, db *statedb.DB, lw *cache.ListWatch, logs *sync
 }
 
 func testPodReflection(w *writeTables, lw *cache.ListWatch, logs *syncbuf.Buffer, ids *identities) *reflection[*tables.Pod] {
-	return testReflection(w, "k8s/pods", &corev1.Pod{}, lw, logs,
+	return makeReflection(slog.New(slog.NewTextHandler(logs, nil)), w, "k8s/pods", lw, listThenWatch{}, &corev1.Pod{},
 		func(obj any) (*tables.Pod, error) { return podFromK8s(obj.(*corev1.Pod)) }, podSink(w.Pods, ids))
-}
-
-func testReflection[T any](w *writeTables, name string, expected runtime.Object, lw *cache.ListWatch, logs *syncbuf.Buffer,
-	convert func(any) (T, error), sink sink[T]) *reflection[T] {
-	r := &reflection[T]{
-		name: name, expected: expected, tables: w, sink: sink, kick: make(chan struct{}, 1),
-		convert: convert, log: slog.New(slog.NewTextHandler(logs, nil)),
-	}
-	r.lw = cache.ToListWatcherWithWatchListSemantics(r.observeErrors(lw), listThenWatch{})
-	txn := w.DB.WriteTxn(sink.table())
-	r.initDone = sink.table().RegisterInitializer(txn, r.name)
-	txn.Commit()
-	return r
 }
 
 // listThenWatch makes the Reflector list, then watch (a stream of watch
@@ -219,8 +206,8 @@ func newJoinWorld(t *testing.T) *joinWorld {
 	must(t, err)
 	ids := newIdentities(w.Pods)
 	pods := testPodReflection(w, &cache.ListWatch{}, logs, ids)
-	eps := testReflection(w, "k8s/ciliumendpoints", &unstructured.Unstructured{}, &cache.ListWatch{}, logs,
-		func(obj any) (*ciliumEndpoint, error) {
+	eps := makeReflection(slog.New(slog.NewTextHandler(logs, nil)), w, "k8s/ciliumendpoints", &cache.ListWatch{}, listThenWatch{},
+		&unstructured.Unstructured{}, func(obj any) (*ciliumEndpoint, error) {
 			return endpointFromUnstructured(obj.(*unstructured.Unstructured))
 		},
 		sink[*ciliumEndpoint](ids))
