@@ -3,8 +3,6 @@
 package ingest
 
 import (
-	"maps"
-	"slices"
 	"sync"
 
 	"github.com/cilium/statedb"
@@ -98,8 +96,8 @@ func (ids *identities) replace(txn statedb.WriteTxn, listed []*ciliumEndpoint) i
 	for _, key := range gone {
 		ids.set(txn, key, 0)
 	}
-	for _, key := range slices.Sorted(maps.Keys(want)) {
-		ids.set(txn, key, want[key])
+	for key, id := range want {
+		ids.set(txn, key, id)
 	}
 	return len(want)
 }
