@@ -3,9 +3,9 @@
 package workload
 
 import (
+	"hash/maphash"
 	"sync/atomic"
 
-	"github.com/cespare/xxhash/v2"
 	"github.com/cilium/statedb"
 	"google.golang.org/protobuf/encoding/protowire"
 )
@@ -24,12 +24,16 @@ type Digest struct {
 	Sum   uint64
 }
 
+// hashSeed is chosen once per process: digests and name hashes never
+// leave it, and a client cannot aim collisions at a seed it does not know.
+var hashSeed = maphash.MakeSeed()
+
 // NameHash is the hash of a resource name, for lookups of claims by name.
-func NameHash(name string) uint64 { return xxhash.Sum64String(name) }
+func NameHash(name string) uint64 { return maphash.String(hashSeed, name) }
 
 // EntryTerm is what one claim adds to a digest: the hash of its map entry
 // (field 1 the name, field 2 the version, both length-delimited).
-func EntryTerm(entry []byte) uint64 { return xxhash.Sum64(entry) }
+func EntryTerm(entry []byte) uint64 { return maphash.Bytes(hashSeed, entry) }
 
 // term is EntryTerm of w's entry, written as a client writes it.
 func term(w *Workload) uint64 {
