@@ -17,11 +17,12 @@ type Encoded interface {
 	EncodedMessage() mem.BufferSlice
 }
 
-// Retained is a message its service reads in wire form itself: it is
-// handed the received bytes, copied once out of gRPC's buffers, rather
-// than decoded (and copied again) by gRPC's proto codec.
+// Retained is a message its service reads in wire form itself, where gRPC
+// received it: it is handed gRPC's receive buffers rather than decoded
+// (and copied) by gRPC's proto codec. gRPC frees them when Retain returns:
+// what it keeps, it keeps with a reference of its own (mem.BufferSlice.Ref).
 type Retained interface {
-	Retain(b []byte)
+	Retain(data mem.BufferSlice)
 }
 
 // codec is gRPC's proto codec, except for Encoded and Retained messages.
@@ -29,7 +30,7 @@ type codec struct{ encoding.CodecV2 }
 
 func (c codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if r, ok := v.(Retained); ok {
-		r.Retain(data.Materialize())
+		r.Retain(data)
 		return nil
 	}
 	return c.CodecV2.Unmarshal(data, v)

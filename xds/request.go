@@ -4,12 +4,15 @@ package xds
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
+	"math"
 	"unicode/utf8"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
@@ -36,8 +39,9 @@ type request struct {
 // probe).
 type claims struct {
 	digest workload.Digest
-	// raw is the request the claims are read from, until read.
-	raw []byte
+	// raw is the request the claims are read from, until read: gRPC's
+	// receive buffers, referenced (see decodeRequest).
+	raw mem.BufferSlice
 
 	names    []string
 	hashes   []uint64
@@ -64,15 +68,20 @@ func (c *claims) read() error {
 	// The names are cut from one copy of the request rather than copied
 	// one by one: they live only while the request is handled (what a
 	// stream keeps holds the table's names).
-	text := string(c.raw)
+	raw := c.raw.Materialize()
+	text := string(raw)
 	c.names = make([]string, 0, c.digest.Count)
 	c.hashes = make([]uint64, 0, c.digest.Count)
 	c.versions = make([]uint64, 0, c.digest.Count)
-	err := scanRequest(c.raw, nil, func(entry []byte, at int) error {
-		key, value, err := mapEntry(entry)
+	err := fields(oneBuffer(raw), func(f field) error {
+		if !f.isClaim() {
+			return nil
+		}
+		key, value, err := mapEntry(f.value())
 		if err != nil {
 			return status.Errorf(codes.InvalidArgument, "%v: an initial_resource_versions entry is malformed", errMalformedRequest)
 		}
+		at := f.at + f.header
 		n, v := text[at+key[0]:at+key[1]], text[at+value[0]:at+value[1]]
 		if !utf8.ValidString(n) || !utf8.ValidString(v) {
 			return status.Errorf(codes.InvalidArgument, "%v: an initial_resource_versions entry is not UTF-8", errMalformedRequest)
@@ -130,22 +139,40 @@ const initialVersionsField = 5
 // errMalformedRequest: a request that is not a DeltaDiscoveryRequest.
 var errMalformedRequest = errors.New("malformed DeltaDiscoveryRequest")
 
-// decodeRequest reads a DeltaDiscoveryRequest. A client that reconnects
-// sends the versions of everything it holds, 100k entries in a large
-// cluster: decoded into the message's map by the generic decoder they cost
-// about 30 times what this direct reading of the entries costs, so they
-// are only framed and summed into a digest here (nothing is kept per
-// entry; claims.read reads and checks them if needed), and the rest of the
-// message is decoded as usual.
+// decodeRequest reads a DeltaDiscoveryRequest from gRPC's receive
+// buffers (about 16 KB each). A client that reconnects sends the versions
+// of everything it holds, 100k entries and 6 MB in a large cluster:
+// decoded into the message's map by the generic decoder they cost about 30
+// times what this direct reading of the entries costs, so they are only
+// framed and summed into a digest here, where gRPC received them (nothing
+// is copied or kept per entry; claims.read reads and checks them if
+// needed), and the rest of the message is decoded as usual. The claims
+// keep the buffers by a reference of their own, never freed: gRPC reuses a
+// buffer once its last reference is freed, and these are read later, on
+// another goroutine; unfreed, they are only collected.
 //
 // More than maxNames entries are refused before any is kept: a 16 MB
 // request of empty entries would otherwise cost half a gigabyte of map.
-func decodeRequest(b []byte, maxNames int) (request, error) {
+func decodeRequest(data mem.BufferSlice, maxNames int) (request, error) {
+	req, err := decodeFields(data, maxNames)
+	if errors.Is(err, errSplitField) {
+		// A field of a kind its header does not size (a group) across
+		// buffers: read from the message made whole.
+		req, err = decodeFields(oneBuffer(data.Materialize()), maxNames)
+	}
+	return req, err
+}
+
+func decodeFields(data mem.BufferSlice, maxNames int) (request, error) {
 	var req request
 	var rest []byte
-	err := scanRequest(b, func(field []byte) { rest = append(rest, field...) }, func(entry []byte, _ int) error {
+	err := fields(data, func(f field) error {
+		if !f.isClaim() {
+			rest = append(rest, f.raw...)
+			return nil
+		}
 		req.initial.digest.Count++
-		req.initial.digest.Sum += workload.EntryTerm(entry)
+		req.initial.digest.Sum += workload.EntryTerm(f.value())
 		return nil
 	})
 	if err != nil {
@@ -155,7 +182,8 @@ func decodeRequest(b []byte, maxNames int) (request, error) {
 		return request{}, status.Errorf(codes.ResourceExhausted, "%d initial_resource_versions, more than --xds-max-names=%d", n, maxNames)
 	}
 	if req.initial.digest.Count > 0 {
-		req.initial.raw = b
+		data.Ref()
+		req.initial.raw = data
 	}
 	req.DeltaDiscoveryRequest = &discovery.DeltaDiscoveryRequest{}
 	if err := proto.Unmarshal(rest, req.DeltaDiscoveryRequest); err != nil {
@@ -164,35 +192,126 @@ func decodeRequest(b []byte, maxNames int) (request, error) {
 	return req, nil
 }
 
-// scanRequest walks a DeltaDiscoveryRequest's fields, checking their
-// framing: other gets every field but initial_resource_versions (tag
-// included), entry each of those map entries' bytes and their offset in b.
-func scanRequest(b []byte, other func(field []byte), entry func(bytes []byte, at int) error) error {
-	for pos := 0; pos < len(b); {
-		num, typ, n := protowire.ConsumeTag(b[pos:])
-		if n < 0 {
-			return errMalformedRequest
+// field is one field of a message, whole.
+type field struct {
+	num protowire.Number
+	typ protowire.Type
+	// raw is the field: tag, then value (a bytes field's with its length).
+	raw []byte
+	// header is where the value starts in raw, after a bytes field's
+	// length.
+	header int
+	// at is where raw starts in the message.
+	at int
+}
+
+// value is the field's value (a bytes field's without its length).
+func (f *field) value() []byte { return f.raw[f.header:] }
+
+// isClaim tells an entry of DeltaDiscoveryRequest.initial_resource_versions.
+func (f *field) isClaim() bool { return f.num == initialVersionsField && f.typ == protowire.BytesType }
+
+// errSplitField: a field across buffers that fields does not join (see
+// fields).
+var errSplitField = errors.New("a field across buffers that its header does not size")
+
+// maxFieldHeader is the most bytes that size any field but a group: a tag
+// and a varint (a value, or a bytes field's length).
+const maxFieldHeader = 2 * binary.MaxVarintLen64
+
+// fields calls each with every field of the message held in data, checking
+// its framing. A field that lies in one buffer is passed in place; one
+// across buffers is first joined into a slice of its own, reused for the
+// next: a field is valid only during the call. So the message passes
+// through memory once, as it would when made whole first, but without a
+// copy of it. A group across buffers, which only its end sizes, is not
+// joined: errSplitField.
+func fields(data mem.BufferSlice, each func(field) error) error {
+	bufs := make([][]byte, 0, len(data))
+	for _, buf := range data {
+		if b := buf.ReadOnlyData(); len(b) > 0 {
+			bufs = append(bufs, b)
 		}
-		fieldLen := protowire.ConsumeFieldValue(num, typ, b[pos+n:])
-		if fieldLen < 0 {
-			return errMalformedRequest
-		}
-		field, value := b[pos:pos+n+fieldLen], b[pos+n:pos+n+fieldLen]
-		at := pos + n
-		pos += len(field)
-		if num != initialVersionsField || typ != protowire.BytesType {
-			if other != nil {
-				other(field)
+	}
+	var header [maxFieldHeader]byte
+	var joined []byte
+	// b is what is left of the buffer being read, bufs[next] the one after.
+	var b []byte
+	next, at := 0, 0
+	for {
+		if len(b) == 0 {
+			if next == len(bufs) {
+				return nil
 			}
-			continue
+			b, next = bufs[next], next+1
 		}
-		_, m := protowire.ConsumeVarint(value)
-		if err := entry(value[m:], at+m); err != nil {
+		f := field{at: at}
+		var size int
+		var ok bool
+		if f.num, f.typ, f.header, size, ok = fieldSize(b); ok && size <= len(b) {
+			f.raw, b = b[:size], b[size:]
+		} else {
+			if next == len(bufs) {
+				return errMalformedRequest // cut short, or not a field
+			}
+			// The header ahead sizes the field (larger than b: b alone
+			// did not).
+			if f.num, f.typ, f.header, size, ok = fieldSize(ahead(header[:0], b, bufs[next:])); !ok {
+				return errSplitField
+			}
+			joined = append(joined[:0], b...)
+			for b = nil; len(joined) < size; next++ {
+				if next == len(bufs) {
+					return errMalformedRequest
+				}
+				k := min(size-len(joined), len(bufs[next]))
+				joined, b = append(joined, bufs[next][:k]...), bufs[next][k:]
+			}
+			f.raw = joined
+		}
+		at += size
+		if err := each(f); err != nil {
 			return err
 		}
 	}
-	return nil
 }
+
+// ahead fills dst, up to its capacity, with b and the buffers after it.
+func ahead(dst, b []byte, after [][]byte) []byte {
+	dst = append(dst, b[:min(len(b), cap(dst))]...)
+	for _, b := range after {
+		if len(dst) == cap(dst) {
+			break
+		}
+		dst = append(dst, b[:min(len(b), cap(dst)-len(dst))]...)
+	}
+	return dst
+}
+
+// fieldSize reads the field at the start of b: its number, type, where
+// its value starts and its size; false when b holds too little of it to
+// tell (all of a group), or it is not a field.
+func fieldSize(b []byte) (num protowire.Number, typ protowire.Type, header, size int, ok bool) {
+	num, typ, n := protowire.ConsumeTag(b)
+	if n < 0 {
+		return 0, 0, 0, 0, false
+	}
+	if typ == protowire.BytesType {
+		length, m := protowire.ConsumeVarint(b[n:])
+		if m < 0 || length > math.MaxInt32 {
+			return 0, 0, 0, 0, false
+		}
+		return num, typ, n + m, n + m + int(length), true
+	}
+	m := protowire.ConsumeFieldValue(num, typ, b[n:])
+	if m < 0 {
+		return 0, 0, 0, 0, false
+	}
+	return num, typ, n, n + m, true
+}
+
+// oneBuffer is a message held in one slice, as gRPC's buffers.
+func oneBuffer(b []byte) mem.BufferSlice { return mem.BufferSlice{mem.SliceBuffer(b)} }
 
 // parseVersion reads a version as the server writes them (hexadecimal);
 // any other is 0, which never equals a workload's version.
@@ -249,11 +368,15 @@ func mapEntry(b []byte) (key, value [2]int, err error) {
 	return key, value, nil
 }
 
-// rawRequest receives a request's bytes from gRPC (grpcserver.Retained),
-// for decodeRequest.
-type rawRequest struct{ b []byte }
+// rawRequest decodes a request where gRPC received it
+// (grpcserver.Retained).
+type rawRequest struct {
+	maxNames int
+	req      request
+	err      error
+}
 
-func (r *rawRequest) Retain(b []byte) { r.b = b }
+func (r *rawRequest) Retain(data mem.BufferSlice) { r.req, r.err = decodeRequest(data, r.maxNames) }
 
 // deltaStream is the part of a gRPC stream a delta stream uses.
 type deltaStream interface {
@@ -279,9 +402,9 @@ func serviceDesc() *grpc.ServiceDesc {
 
 // recv reads the next request from the stream.
 func recv(s deltaStream, maxNames int) (request, error) {
-	var raw rawRequest
+	raw := rawRequest{maxNames: maxNames}
 	if err := s.RecvMsg(&raw); err != nil {
 		return request{}, err
 	}
-	return decodeRequest(raw.b, maxNames)
+	return raw.req, raw.err
 }

@@ -26,8 +26,10 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
-// Operations of a FuzzDeltaRequests script: each is one byte, a request
-// is followed by its length (uvarint) and bytes.
+// Operations of a FuzzDeltaRequests script: each is one byte (modulo
+// numOps), a request is followed by its length (uvarint) and bytes. The
+// rest of a request's byte (divided by numOps), when not 0, is the size of
+// the buffers gRPC receives it in.
 const (
 	opRequest = iota // the client sends a request (any bytes)
 	opChange         // the next byte names a workload that gets new content
@@ -49,13 +51,14 @@ const fuzzWorkloads = 6
 // table. Seeds: testdata/fuzz/FuzzDeltaRequests and below. Long runs:
 // make fuzz.
 func FuzzDeltaRequests(f *testing.F) {
-	req := func(r *discovery.DeltaDiscoveryRequest) []byte {
+	reqIn := func(pieceSize byte, r *discovery.DeltaDiscoveryRequest) []byte {
 		b, err := proto.Marshal(r)
 		if err != nil {
 			f.Fatal(err)
 		}
-		return append(binary.AppendUvarint([]byte{opRequest}, uint64(len(b))), b...)
+		return append(binary.AppendUvarint([]byte{opRequest + numOps*pieceSize}, uint64(len(b))), b...)
 	}
+	req := func(r *discovery.DeltaDiscoveryRequest) []byte { return reqIn(0, r) }
 	script := func(parts ...[]byte) []byte { return slices.Concat(parts...) }
 	wildcard := req(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType})
 	f.Add(script(wildcard, []byte{opChange, 1, opDelete, 2, opPush}, req(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, ResponseNonce: "1"})))
@@ -71,11 +74,15 @@ func FuzzDeltaRequests(f *testing.F) {
 		req(&discovery.DeltaDiscoveryRequest{TypeUrl: "type.googleapis.com/other"}),
 		req(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, ResponseNonce: "7", ErrorDetail: status.New(codes.InvalidArgument, "no").Proto()})))
 	f.Add([]byte{opRequest, 3, 0x2a, 0x05, 0x0a})
+	for _, pieceSize := range []byte{1, 7} {
+		f.Add(script(reqIn(pieceSize, &discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, InitialResourceVersions: map[string]string{
+			fuzzUID(0): "0", fuzzUID(1): "zz", fuzzUID(2): "1"}}), []byte{opDelete, 1, opPush}))
+	}
 
 	f.Fuzz(func(t *testing.T, script []byte) {
 		fz := newFuzzStream(t)
 		for len(script) > 0 {
-			op := script[0] % numOps
+			op, arg := script[0]%numOps, int(script[0]/numOps)
 			script = script[1:]
 			switch op {
 			case opRequest:
@@ -85,7 +92,7 @@ func FuzzDeltaRequests(f *testing.F) {
 				}
 				raw := script[m : m+int(n)]
 				script = script[m+int(n):]
-				if !fz.request(raw) {
+				if !fz.request(raw, arg) {
 					return
 				}
 			case opChange, opDelete:
@@ -176,9 +183,15 @@ func (fz *fuzzStream) write(i int, remove bool) {
 	wtxn.Commit()
 }
 
-// request hands the stream one request; false when the stream ends.
-func (fz *fuzzStream) request(raw []byte) bool {
-	req, err := decodeRequest(raw, fz.st.srv.Config.XDSMaxNames)
+// request hands the stream one request, received in one buffer or, when
+// pieceSize is not 0, in buffers of that many bytes; false when the stream
+// ends.
+func (fz *fuzzStream) request(raw []byte, pieceSize int) bool {
+	received := oneBuffer(raw)
+	if pieceSize > 0 {
+		received = pieces(raw, pieceSize)
+	}
+	req, err := decodeRequest(received, fz.st.srv.Config.XDSMaxNames)
 	malformedClaims := fz.sameAsGenerated(raw, req, err)
 	if err != nil {
 		return false // the stream ends with InvalidArgument or ResourceExhausted
