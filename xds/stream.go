@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"runtime"
 	"runtime/trace"
 	"slices"
 	"strconv"
@@ -343,8 +344,12 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		changes, _ := it.Next(txn)
 		if st.holdsExactly(ts, txn) {
 			// Nothing to compare, nothing to send: the iterator's first
-			// batch (the whole table) is passed once answered.
+			// batch (the whole table) is passed once answered. The
+			// sender, readied by the answer, goes first: it would
+			// otherwise wait for these milliseconds of passing whenever
+			// the other processors are busy.
 			defer func() {
+				runtime.Gosched()
 				for range changes {
 				}
 			}()
