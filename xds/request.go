@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"math"
+	"strings"
 	"unicode/utf8"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -68,12 +69,16 @@ func (c *claims) read() error {
 	// The names are cut from one copy of the request rather than copied
 	// one by one: they live only while the request is handled (what a
 	// stream keeps holds the table's names).
-	raw := c.raw.Materialize()
-	text := string(raw)
+	var copied strings.Builder
+	copied.Grow(c.raw.Len())
+	for _, buf := range c.raw {
+		copied.Write(buf.ReadOnlyData())
+	}
+	text := copied.String()
 	c.names = make([]string, 0, c.digest.Count)
 	c.hashes = make([]uint64, 0, c.digest.Count)
 	c.versions = make([]uint64, 0, c.digest.Count)
-	err := fields(oneBuffer(raw), func(f field) error {
+	err := fields(c.raw, func(f field) error {
 		if !f.isClaim() {
 			return nil
 		}
@@ -182,8 +187,7 @@ func decodeFields(data mem.BufferSlice, maxNames int) (request, error) {
 		return request{}, status.Errorf(codes.ResourceExhausted, "%d initial_resource_versions, more than --xds-max-names=%d", n, maxNames)
 	}
 	if req.initial.digest.Count > 0 {
-		data.Ref()
-		req.initial.raw = data
+		req.initial.raw = keep(data)
 	}
 	req.DeltaDiscoveryRequest = &discovery.DeltaDiscoveryRequest{}
 	if err := proto.Unmarshal(rest, req.DeltaDiscoveryRequest); err != nil {
@@ -191,6 +195,25 @@ func decodeFields(data mem.BufferSlice, maxNames int) (request, error) {
 	}
 	return req, nil
 }
+
+// keep keeps a message for later: gRPC's buffers, by a reference of their
+// own, when they hold little more than the message; a copy otherwise. The
+// client chooses its frames, and so the buffers: one of 1 KB takes a
+// buffer of 4 KB, one byte a buffer with about 40 bytes of overhead.
+func keep(data mem.BufferSlice) mem.BufferSlice {
+	held := 0
+	for _, buf := range data {
+		held += cap(buf.ReadOnlyData()) + bufferOverhead
+	}
+	if held > data.Len()+data.Len()/4 {
+		return oneBuffer(data.Materialize())
+	}
+	data.Ref()
+	return data
+}
+
+// bufferOverhead is about what gRPC's buffer costs beside its bytes.
+const bufferOverhead = 48
 
 // field is one field of a message, whole.
 type field struct {
@@ -227,23 +250,18 @@ const maxFieldHeader = 2 * binary.MaxVarintLen64
 // copy of it. A group across buffers, which only its end sizes, is not
 // joined: errSplitField.
 func fields(data mem.BufferSlice, each func(field) error) error {
-	bufs := make([][]byte, 0, len(data))
-	for _, buf := range data {
-		if b := buf.ReadOnlyData(); len(b) > 0 {
-			bufs = append(bufs, b)
-		}
-	}
 	var header [maxFieldHeader]byte
 	var joined []byte
-	// b is what is left of the buffer being read, bufs[next] the one after.
+	// b is what is left of the buffer being read, data[next] the one
+	// after.
 	var b []byte
 	next, at := 0, 0
 	for {
-		if len(b) == 0 {
-			if next == len(bufs) {
+		for len(b) == 0 {
+			if next == len(data) {
 				return nil
 			}
-			b, next = bufs[next], next+1
+			b, next = data[next].ReadOnlyData(), next+1
 		}
 		f := field{at: at}
 		var size int
@@ -251,21 +269,22 @@ func fields(data mem.BufferSlice, each func(field) error) error {
 		if f.num, f.typ, f.header, size, ok = fieldSize(b); ok && size <= len(b) {
 			f.raw, b = b[:size], b[size:]
 		} else {
-			if next == len(bufs) {
+			if next == len(data) {
 				return errMalformedRequest // cut short, or not a field
 			}
 			// The header ahead sizes the field (larger than b: b alone
 			// did not).
-			if f.num, f.typ, f.header, size, ok = fieldSize(ahead(header[:0], b, bufs[next:])); !ok {
+			if f.num, f.typ, f.header, size, ok = fieldSize(ahead(header[:0], b, data[next:])); !ok {
 				return errSplitField
 			}
 			joined = append(joined[:0], b...)
 			for b = nil; len(joined) < size; next++ {
-				if next == len(bufs) {
+				if next == len(data) {
 					return errMalformedRequest
 				}
-				k := min(size-len(joined), len(bufs[next]))
-				joined, b = append(joined, bufs[next][:k]...), bufs[next][k:]
+				more := data[next].ReadOnlyData()
+				k := min(size-len(joined), len(more))
+				joined, b = append(joined, more[:k]...), more[k:]
 			}
 			f.raw = joined
 		}
@@ -277,13 +296,14 @@ func fields(data mem.BufferSlice, each func(field) error) error {
 }
 
 // ahead fills dst, up to its capacity, with b and the buffers after it.
-func ahead(dst, b []byte, after [][]byte) []byte {
+func ahead(dst, b []byte, after mem.BufferSlice) []byte {
 	dst = append(dst, b[:min(len(b), cap(dst))]...)
-	for _, b := range after {
+	for _, buf := range after {
 		if len(dst) == cap(dst) {
 			break
 		}
-		dst = append(dst, b[:min(len(b), cap(dst)-len(dst))]...)
+		more := buf.ReadOnlyData()
+		dst = append(dst, more[:min(len(more), cap(dst)-len(dst))]...)
 	}
 	return dst
 }
@@ -298,7 +318,7 @@ func fieldSize(b []byte) (num protowire.Number, typ protowire.Type, header, size
 	}
 	if typ == protowire.BytesType {
 		length, m := protowire.ConsumeVarint(b[n:])
-		if m < 0 || length > math.MaxInt32 {
+		if m < 0 || length > math.MaxInt32-maxFieldHeader { // int may be 32 bits
 			return 0, 0, 0, 0, false
 		}
 		return num, typ, n + m, n + m + int(length), true

@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math/rand/v2"
 	"reflect"
 	"slices"
+	"strconv"
 	"testing"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -71,8 +73,9 @@ func TestDecodeRequest(t *testing.T) {
 }
 
 // A request reads the same however gRPC's buffers cut it: through fields
-// and their headers, varints and groups. Every field but a group is read
-// where it lies, or joined.
+// and their headers, varints and groups. Every field but a group longer
+// than a header is read where it lies, or joined; such a group, across
+// buffers, from the message made whole.
 func TestDecodeRequestAcrossBuffers(t *testing.T) {
 	b, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{
 		TypeUrl: AddressType, ResponseNonce: "3", ResourceNamesSubscribe: []string{"*"},
@@ -88,11 +91,19 @@ func TestDecodeRequestAcrossBuffers(t *testing.T) {
 	b = protowire.AppendFixed32(b, 7)
 	b = protowire.AppendTag(b, 103, protowire.BytesType)
 	b = protowire.AppendBytes(b, make([]byte, 300))
-	withGroup := protowire.AppendTag(slices.Clone(b), 102, protowire.StartGroupType)
-	withGroup = protowire.AppendTag(withGroup, 1, protowire.Fixed64Type)
-	withGroup = protowire.AppendFixed64(withGroup, 9)
-	withGroup = protowire.AppendTag(withGroup, 102, protowire.EndGroupType)
-	cutShort := append(slices.Clone(withGroup), withGroup[:6]...) // the first field again, cut short
+	b = protowire.AppendTag(b, 104, protowire.StartGroupType)
+	b = protowire.AppendTag(b, 1, protowire.Fixed64Type)
+	b = protowire.AppendFixed64(b, 9)
+	b = protowire.AppendTag(b, 104, protowire.EndGroupType)
+	withLongGroup := protowire.AppendTag(slices.Clone(b), 102, protowire.StartGroupType)
+	withLongGroup = protowire.AppendTag(withLongGroup, 1, protowire.BytesType)
+	withLongGroup = protowire.AppendString(withLongGroup, "longer than a field's header")
+	withLongGroup = protowire.AppendTag(withLongGroup, 102, protowire.EndGroupType)
+	// Cut short: the first field again, a varint, a group.
+	var cutShort [][]byte
+	for _, end := range [][]byte{b[:6], {0xa0, 0x06, 0x80}, {0xa3, 0x06, 0x09, 1, 2}} {
+		cutShort = append(cutShort, append(slices.Clone(b), end...))
+	}
 
 	walk := func(data mem.BufferSlice) ([]field, error) {
 		var got []field
@@ -107,67 +118,102 @@ func TestDecodeRequestAcrossBuffers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	whole, err := decodeRequest(oneBuffer(withGroup), 4)
+	whole, err := decodeRequest(oneBuffer(withLongGroup), 4)
 	if err == nil {
 		err = whole.initial.read()
 	}
 	if err != nil {
 		t.Fatal(err)
 	}
-	for size := 1; size <= len(withGroup); size++ {
+	check := func(cut string, split func([]byte) mem.BufferSlice) {
 		// An empty buffer at the end, which gRPC does not make, reads the same.
-		if got, err := walk(append(pieces(b, size), mem.SliceBuffer(nil))); err != nil || !reflect.DeepEqual(got, inPlace) {
-			t.Fatalf("fields in pieces of %d: %v, %+v\nin one: %+v", size, err, got, inPlace)
+		if got, err := walk(append(split(b), mem.SliceBuffer(nil))); err != nil || !reflect.DeepEqual(got, inPlace) {
+			t.Fatalf("fields %s: %v, %+v\nin one: %+v", cut, err, got, inPlace)
 		}
-		if _, err := decodeRequest(pieces(cutShort, size), 4); !errors.Is(err, errMalformedRequest) {
-			t.Fatalf("cut short, in pieces of %d: %v, want %v", size, err, errMalformedRequest)
+		for _, short := range cutShort {
+			if _, err := decodeRequest(split(short), 4); !errors.Is(err, errMalformedRequest) {
+				t.Fatalf("cut short %x, %s: %v, want %v", short[len(b):], cut, err, errMalformedRequest)
+			}
 		}
-		got, err := decodeRequest(pieces(withGroup, size), 4)
+		got, err := decodeRequest(split(withLongGroup), 4)
 		if err == nil {
 			err = got.initial.read()
 		}
 		if err != nil {
-			t.Fatalf("in pieces of %d: %v", size, err)
+			t.Fatalf("%s: %v", cut, err)
 		}
 		if got.initial.digest != whole.initial.digest || !maps.Equal(got.initial.held(), whole.initial.held()) {
-			t.Fatalf("in pieces of %d: claims %v %+v, whole %v %+v", size, got.initial.held(), got.initial.digest, whole.initial.held(), whole.initial.digest)
+			t.Fatalf("%s: claims %v %+v, whole %v %+v", cut, got.initial.held(), got.initial.digest, whole.initial.held(), whole.initial.digest)
 		}
 		if !proto.Equal(got.DeltaDiscoveryRequest, whole.DeltaDiscoveryRequest) {
-			t.Fatalf("in pieces of %d: %v, whole %v", size, got.DeltaDiscoveryRequest, whole.DeltaDiscoveryRequest)
+			t.Fatalf("%s: %v, whole %v", cut, got.DeltaDiscoveryRequest, whole.DeltaDiscoveryRequest)
 		}
+	}
+	for size := 1; size <= len(withLongGroup); size++ {
+		check(fmt.Sprintf("in pieces of %d", size), func(b []byte) mem.BufferSlice { return pieces(b, size) })
+	}
+	random := rand.New(rand.NewPCG(1, 2))
+	for range 500 {
+		cuts := []int{random.IntN(len(b)), random.IntN(len(b)), random.IntN(len(b))}
+		slices.Sort(cuts)
+		check(fmt.Sprintf("cut at %v", cuts), func(b []byte) mem.BufferSlice {
+			var data mem.BufferSlice
+			from := 0
+			for _, to := range append(cuts, len(b)) {
+				data = append(data, mem.SliceBuffer(b[from:to]))
+				from = to
+			}
+			return data
+		})
 	}
 }
 
-// The claims keep gRPC's buffers with a reference of their own: freed by
-// gRPC after decoding, the buffers are not reused under them.
-func TestClaimsKeepTheirBuffers(t *testing.T) {
-	b, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, InitialResourceVersions: map[string]string{"a": "1f", "b": "2"}})
+// The claims keep what gRPC received after gRPC frees it: its buffers, by
+// a reference of their own, when they hold little more than the request;
+// a copy when they hold far more (small frames in large buffers).
+func TestClaimsKeepTheirRequest(t *testing.T) {
+	claimed := map[string]string{}
+	want := map[string]uint64{}
+	for i := range 1000 {
+		claimed[fuzzUID(i)] = strconv.FormatUint(uint64(i), 16)
+		want[fuzzUID(i)] = uint64(i)
+	}
+	b, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, InitialResourceVersions: claimed})
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool := &clearingPool{}
-	var data mem.BufferSlice
-	pooled := 1 // a size gRPC pools
+	pooled := 1 // the smallest buffer gRPC pools
 	for mem.IsBelowBufferPoolingThreshold(pooled) {
 		pooled *= 2
 	}
-	for _, piece := range pieces(b, 5) {
-		buf := append(make([]byte, 0, pooled), piece.ReadOnlyData()...)
-		data = append(data, mem.NewBuffer(&buf, pool))
-	}
-	req, err := decodeRequest(data, 4)
-	if err != nil {
-		t.Fatal(err)
-	}
-	data.Free() // as gRPC does once the message is decoded
-	if pool.reused > 0 {
-		t.Fatalf("%d buffers reused while the claims hold them", pool.reused)
-	}
-	if err := req.initial.read(); err != nil {
-		t.Fatal(err)
-	}
-	if !maps.Equal(req.initial.held(), map[string]uint64{"a": 0x1f, "b": 2}) {
-		t.Errorf("claims %v", req.initial.held())
+	for _, tc := range []struct {
+		name            string
+		frame, capacity int
+		kept            bool
+	}{
+		{"frames filling their buffers", pooled, pooled, true},
+		{"small frames in large buffers", 5, pooled, false},
+	} {
+		pool := &clearingPool{}
+		var data mem.BufferSlice
+		for _, frame := range pieces(b, tc.frame) {
+			buf := append(make([]byte, 0, max(tc.capacity, len(frame.ReadOnlyData()))), frame.ReadOnlyData()...)
+			data = append(data, mem.NewBuffer(&buf, pool))
+		}
+		req, err := decodeRequest(data, len(claimed))
+		if err != nil {
+			t.Fatal(err)
+		}
+		data.Free() // as gRPC does once the message is decoded
+		if kept := pool.reused == 0; kept != tc.kept {
+			t.Errorf("%s: %d buffers reused, kept %v, want %v", tc.name, pool.reused, kept, tc.kept)
+		}
+		if err := req.initial.read(); err != nil {
+			t.Fatal(err)
+		}
+		if !maps.Equal(req.initial.held(), want) {
+			t.Errorf("%s: claims %v", tc.name, req.initial.held())
+		}
 	}
 }
 
