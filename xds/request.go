@@ -40,8 +40,8 @@ type request struct {
 // probe).
 type claims struct {
 	digest workload.Digest
-	// raw is the request the claims are read from, until read: gRPC's
-	// receive buffers, referenced (see decodeRequest).
+	// raw is the request the claims are read from, until read (see
+	// keep).
 	raw mem.BufferSlice
 
 	names    []string
@@ -152,9 +152,9 @@ var errMalformedRequest = errors.New("malformed DeltaDiscoveryRequest")
 // framed and summed into a digest here, where gRPC received them (nothing
 // is copied or kept per entry; claims.read reads and checks them if
 // needed), and the rest of the message is decoded as usual. The claims
-// keep the buffers by a reference of their own, never freed: gRPC reuses a
-// buffer once its last reference is freed, and these are read later, on
-// another goroutine; unfreed, they are only collected.
+// keep the request (keep) by a reference of their own, never freed: gRPC
+// reuses a buffer once its last reference is freed, and claims are read
+// later, on another goroutine; unfreed, the buffers are only collected.
 //
 // More than maxNames entries are refused before any is kept: a 16 MB
 // request of empty entries would otherwise cost half a gigabyte of map.
@@ -198,8 +198,8 @@ func decodeFields(data mem.BufferSlice, maxNames int) (request, error) {
 
 // keep keeps a message for later: gRPC's buffers, by a reference of their
 // own, when they hold little more than the message; a copy otherwise. The
-// client chooses its frames, and so the buffers: one of 1 KB takes a
-// buffer of 4 KB, one byte a buffer with about 40 bytes of overhead.
+// client chooses its frames, and so the buffers: one of just over 1 KB
+// takes a buffer of 4 KB, one of a byte about 40 bytes of overhead.
 func keep(data mem.BufferSlice) mem.BufferSlice {
 	held := 0
 	for _, buf := range data {
