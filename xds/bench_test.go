@@ -150,23 +150,14 @@ func (s *scanned) each(fn func(name, version []byte)) {
 
 // walk calls fn with each length-delimited field of a message.
 func walk(b []byte, fn func(protowire.Number, []byte)) {
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 {
-			panic(protowire.ParseError(n))
+	err := fields(oneBuffer(b), func(f field) error {
+		if f.typ == protowire.BytesType {
+			fn(f.num, f.value())
 		}
-		b = b[n:]
-		if typ != protowire.BytesType {
-			n = protowire.ConsumeFieldValue(num, typ, b)
-			b = b[n:]
-			continue
-		}
-		v, n := protowire.ConsumeBytes(b)
-		if n < 0 {
-			panic(protowire.ParseError(n))
-		}
-		fn(num, v)
-		b = b[n:]
+		return nil
+	})
+	if err != nil {
+		panic(err)
 	}
 }
 
