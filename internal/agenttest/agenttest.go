@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/credentials"
 
 	"github.com/mtlsbridge/mtlsbridge/agent"
+	"github.com/mtlsbridge/mtlsbridge/api/client"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
@@ -51,7 +52,7 @@ const (
 // Start runs an agent reading manifests from the folder (which the test may
 // change), with a token file of the Token* lines, plus extra cells (e.g. a
 // cell.Invoke capturing tables) and flags. It waits until every table is
-// initialized.
+// initialized and the local API listens.
 func Start(t testing.TB, manifests string, extra []cell.Cell, flags ...string) *Agent {
 	t.Helper()
 	stateDir, err := os.MkdirTemp("", "mtlsbridge-") // short: UNIX socket paths
@@ -117,6 +118,18 @@ func Start(t testing.TB, manifests string, extra []cell.Cell, flags ...string) *
 		t.Fatal(err)
 	}
 	a.GRPCAddr = addr.String()
+	// The local API is a job of its own; its socket is put in place once
+	// it listens.
+	for {
+		if _, err := os.Stat(client.SocketPath(stateDir)); err == nil {
+			break
+		}
+		select {
+		case <-time.After(5 * time.Millisecond):
+		case <-ctx.Done():
+			t.Fatal("the local API socket did not appear in time")
+		}
+	}
 	return a
 }
 
