@@ -75,7 +75,7 @@ func (p *Pod) TableRow() []string {
 	}
 	return []string{
 		p.Key(), Dash(p.NodeName), p.ServiceAccountOrDefault(), Dash(strings.Join(ips, ",")),
-		Dash(p.Phase), strconv.FormatBool(p.HostNetwork), IdentityString(p.Identity), Dash(p.Labels.String()),
+		Dash(p.Phase), strconv.FormatBool(p.HostNetwork), identityString(p.Identity), Dash(p.Labels.String()),
 	}
 }
 
@@ -145,8 +145,8 @@ func NewPodsTable(db *statedb.DB, node LocalNode) (statedb.RWTable[*Pod], error)
 	return statedb.NewTable(db, PodsTableName, podKeyIndex, podLocalIndex(node.NodeName), podIPIndex)
 }
 
-// IdentityString shows a Cilium identity in a table, "-" for none.
-func IdentityString(id uint32) string {
+// identityString shows a Cilium identity in a table, "-" for none.
+func identityString(id uint32) string {
 	if id == 0 {
 		return "-"
 	}
