@@ -199,7 +199,7 @@ func TestDeltaStream(t *testing.T) {
 		case webUID:
 			want := &workloadapi.Workload{
 				Uid: webUID, Name: "web", Namespace: "app", ServiceAccount: "web", Node: "node-a",
-				Addresses: [][]byte{{10, 0, 1, 10}}, TrustDomain: "cluster.local", ClusterId: "Kubernetes",
+				Addresses: [][]byte{{10, 0, 1, 10}}, ClusterId: "Kubernetes", // trust domain: the default, left out
 				WorkloadType: workloadapi.WorkloadType_POD, TunnelProtocol: workloadapi.TunnelProtocol_NONE,
 				CanonicalName: "web", CanonicalRevision: "v2", WorkloadName: "web",
 				Status: workloadapi.WorkloadStatus_HEALTHY,

@@ -18,6 +18,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
+	"github.com/mtlsbridge/mtlsbridge/spiffe"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -147,13 +148,17 @@ func New(clusterID, trustDomain string, pod *tables.Pod, hbone bool) (*Workload,
 		Namespace:         pod.Namespace,
 		ServiceAccount:    pod.ServiceAccountOrDefault(),
 		Node:              pod.NodeName,
-		TrustDomain:       trustDomain,
 		ClusterId:         clusterID,
 		WorkloadType:      workloadapi.WorkloadType_POD,
 		WorkloadName:      workloadName(pod),
 		CanonicalName:     canonicalName(pod),
 		CanonicalRevision: canonicalRevision(pod),
 		Status:            workloadapi.WorkloadStatus_HEALTHY,
+	}
+	// Omitted when it is the default, as Istio does: agents read an empty
+	// trust domain as cluster.local, and it is 15 bytes of every Workload.
+	if trustDomain != spiffe.DefaultTrustDomain {
+		w.TrustDomain = trustDomain
 	}
 	if hbone {
 		w.TunnelProtocol = workloadapi.TunnelProtocol_HBONE

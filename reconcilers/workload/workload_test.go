@@ -39,6 +39,12 @@ func TestNew(t *testing.T) {
 		t.Errorf("row %+v", w)
 	}
 
+	// The default trust domain is left out, as Istio leaves it out: agents
+	// read an empty one as cluster.local.
+	if td := mustNew(t, "cluster-1", "cluster.local", pod, true).Decode().GetTrustDomain(); td != "" {
+		t.Errorf("trust domain %q sent, want the default left out", td)
+	}
+
 	same, _ := New("cluster-1", "example.org", pod, true)
 	notReady, _ := New("cluster-1", "example.org", pod, false)
 	if same.Version != w.Version || notReady.Version == w.Version {
@@ -65,4 +71,13 @@ func TestNew(t *testing.T) {
 	if addrs, _ := shown.Workload["addresses"].([]any); len(addrs) != 2 || addrs[0] != "10.0.1.5" || addrs[1] != "fd00::5" {
 		t.Errorf("JSON addresses %v, want IPs", shown.Workload["addresses"])
 	}
+}
+
+func mustNew(t *testing.T, clusterID, trustDomain string, pod *tables.Pod, hbone bool) *Workload {
+	t.Helper()
+	w, err := New(clusterID, trustDomain, pod, hbone)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
 }
