@@ -319,13 +319,13 @@ func (t *tableBackend) change(b *testing.B, i, gen int) string {
 		b.Fatal(err)
 	}
 	txn := t.db.WriteTxn(t.workloads)
-	if old, _, found := t.workloads.Get(txn, workload.ByUID(w.UID)); found {
+	if old, _, found := t.workloads.Get(txn, workload.ByUID(w.UID())); found {
 		t.digest.Remove(old)
 	}
 	t.workloads.Insert(txn, w)
 	t.digest.Add(w)
 	t.digests.Publish(t.workloads.Revision(txn.Commit()), t.digest)
-	return w.UID
+	return w.UID()
 }
 
 // go-control-plane's LinearCache with the same resources.
@@ -341,7 +341,7 @@ func linearResource(i, gen int, changed bool) (string, cachetypes.Resource) {
 	w, _ := workload.New("Kubernetes", "cluster.local", pod, true)
 	var addr workloadapi.Address
 	proto.Unmarshal([]byte(w.Resource), &addr)
-	return w.UID, &addr
+	return w.UID(), &addr
 }
 
 func newLinearBackend(b *testing.B, n int) *linearBackend {

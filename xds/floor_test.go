@@ -43,7 +43,7 @@ func BenchmarkXDSFloor(b *testing.B) {
 				b.Fatal(err)
 			}
 			resp.Resources = append(resp.Resources, &discovery.Resource{
-				Name: w.UID, Version: w.VersionString(),
+				Name: w.UID(), Version: w.VersionString(),
 				Resource: &anypb.Any{TypeUrl: AddressType, Value: []byte(w.Resource)},
 			})
 		}

@@ -267,7 +267,7 @@ func TestRequestDigest(t *testing.T) {
 			t.Fatal(err)
 		}
 		table.Add(w)
-		claimed[w.UID] = w.VersionString()
+		claimed[w.UID()] = w.VersionString()
 	}
 	digest := func() workload.Digest {
 		b, err := proto.Marshal(&discovery.DeltaDiscoveryRequest{TypeUrl: AddressType, InitialResourceVersions: claimed})

@@ -408,7 +408,7 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 			removed = append(removed, name)
 			continue
 		}
-		ts.resolve(name, w.UID)
+		ts.resolve(name, w.UID())
 		// Asked explicitly: always answered, even when held.
 		st.sending(ts, w)
 		if err := answer.add(outgoing{w: w, alias: name}); err != nil {
@@ -436,23 +436,24 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 	st.local = st.localIn(txn, true)
 	found := 0 // claims that name a workload of txn
 	for w := range workloads {
-		version, had := claimed.version(w.UID)
+		uid := w.UID()
+		version, had := claimed.version(uid)
 		if had {
 			found++
 		}
 		switch {
-		case !ts.interested(w.UID):
+		case !ts.interested(uid):
 			if had {
-				ts.held[w.UID] = version
+				ts.held[uid] = version
 			}
 		case had && version == w.Version:
 			// The client holds this very version (it said so when it
 			// reconnected): it is acknowledged, though not sent again.
 			if !ts.wildcard {
-				ts.held[w.UID] = version
+				ts.held[uid] = version
 			}
 			if claimedByClient && st.local(w) {
-				st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: w.UID, hbone: w.HBONE})
+				st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: uid, hbone: w.HBONE})
 			}
 		default:
 			st.sending(ts, w)
@@ -492,7 +493,7 @@ func (st *stream) holdsExactly(ts *typeState, txn statedb.ReadTxn) bool {
 	for pod := range st.srv.Pods.List(txn, tables.PodsOfThisNode()) {
 		uid := workload.UID(st.srv.WorkloadConfig.ClusterID, pod.Namespace, pod.Name)
 		if w, _, found := st.srv.Workloads.Get(txn, workload.ByUID(uid)); found {
-			st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: w.UID, hbone: w.HBONE})
+			st.alreadyHeld = append(st.alreadyHeld, sentWorkload{uid: w.UID(), hbone: w.HBONE})
 		}
 	}
 	st.srv.Metrics.ReconnectsUnchanged.Inc()
@@ -502,13 +503,13 @@ func (st *stream) holdsExactly(ts *typeState, txn statedb.ReadTxn) bool {
 // sending records that w goes to the client.
 func (st *stream) sending(ts *typeState, w *workload.Workload) {
 	if !ts.wildcard {
-		ts.held[w.UID] = w.Version
+		ts.held[w.UID()] = w.Version
 	}
 	if st.local(w) {
 		if st.localHBONE == nil {
 			st.localHBONE = map[string]bool{}
 		}
-		st.localHBONE[w.UID] = w.HBONE
+		st.localHBONE[w.UID()] = w.HBONE
 	}
 }
 
@@ -520,7 +521,7 @@ func (st *stream) materializeHeld(ts *typeState) {
 		return
 	}
 	for w := range st.srv.Workloads.All(st.view) {
-		ts.held[w.UID] = w.Version
+		ts.held[w.UID()] = w.Version
 	}
 	st.view = nil // not kept alive (a snapshot of every table)
 }
@@ -535,7 +536,7 @@ func (st *stream) localIn(txn statedb.ReadTxn, many bool) func(*workload.Workloa
 	}
 	if !many {
 		return func(w *workload.Workload) bool {
-			key, ok := workload.PodOf(w.UID)
+			key, ok := workload.PodOf(w.UID())
 			if !ok {
 				return false
 			}
@@ -548,7 +549,7 @@ func (st *stream) localIn(txn statedb.ReadTxn, many bool) func(*workload.Workloa
 		uids[workload.UID(st.srv.WorkloadConfig.ClusterID, pod.Namespace, pod.Name)] = struct{}{}
 	}
 	return func(w *workload.Workload) bool {
-		_, ok := uids[w.UID]
+		_, ok := uids[w.UID()]
 		return ok
 	}
 }
@@ -596,18 +597,19 @@ func (st *stream) changesSince(ts *typeState, txn statedb.ReadTxn) ([]outgoing, 
 		if c.Deleted {
 			// An object deleted and inserted again comes as both: the
 			// table as of txn decides.
-			if _, _, back := st.srv.Workloads.Get(txn, workload.ByUID(w.UID)); back {
+			uid := w.UID()
+			if _, _, back := st.srv.Workloads.Get(txn, workload.ByUID(uid)); back {
 				continue
 			}
-			if st.holdsNow(ts, w.UID) {
+			if st.holdsNow(ts, uid) {
 				if !ts.wildcard {
-					delete(ts.held, w.UID)
+					delete(ts.held, uid)
 				}
-				removed = append(removed, w.UID)
+				removed = append(removed, uid)
 			}
 			continue
 		}
-		if !ts.interested(w.UID) || st.heldVersion(ts, w) {
+		if !ts.interested(w.UID()) || st.heldVersion(ts, w) {
 			continue
 		}
 		out = append(out, outgoing{w: w})
@@ -635,10 +637,10 @@ func (st *stream) heldVersion(ts *typeState, w *workload.Workload) bool {
 		if st.view == nil {
 			return false
 		}
-		old, _, found := st.srv.Workloads.Get(st.view, workload.ByUID(w.UID))
+		old, _, found := st.srv.Workloads.Get(st.view, workload.ByUID(w.UID()))
 		return found && old.Version == w.Version
 	}
-	v, held := ts.held[w.UID]
+	v, held := ts.held[w.UID()]
 	return held && v == w.Version
 }
 
@@ -810,9 +812,10 @@ func (st *stream) track(nonce uint64, typeURL string, out []outgoing, removed []
 	}
 	var sent []sentWorkload
 	for _, o := range out {
-		if hbone, ok := st.localHBONE[o.w.UID]; ok {
-			sent = append(sent, sentWorkload{uid: o.w.UID, hbone: hbone})
-			delete(st.localHBONE, o.w.UID)
+		uid := o.w.UID()
+		if hbone, ok := st.localHBONE[uid]; ok {
+			sent = append(sent, sentWorkload{uid: uid, hbone: hbone})
+			delete(st.localHBONE, uid)
 		}
 	}
 	for _, uid := range removed {

@@ -317,7 +317,7 @@ func (fz *fuzzStream) check() {
 	// with its view, which it has sent.
 	want := map[string]string{}
 	for w := range fz.workloads.All(fz.st.view) {
-		want[w.UID] = w.VersionString()
+		want[w.UID()] = w.VersionString()
 	}
 	if !maps.Equal(fz.view, want) {
 		fz.t.Fatalf("a wildcard client holds\n%v\nthe stream's view is\n%v", fz.view, want)

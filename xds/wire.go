@@ -148,7 +148,7 @@ func appendResources(b []byte, typeURL string, out []outgoing) []byte {
 			b = protowire.AppendString(b, o.w.Resource)
 		}
 		b = protowire.AppendTag(b, resourceNameField, protowire.BytesType)
-		b = protowire.AppendString(b, o.w.UID)
+		b = protowire.AppendString(b, o.w.UID())
 		if o.alias != "" {
 			b = protowire.AppendTag(b, resourceAliasesField, protowire.BytesType)
 			b = protowire.AppendString(b, o.alias)
@@ -163,7 +163,7 @@ func hexLen(v uint64) int { return max(1, (bits.Len64(v)+3)/4) }
 func resourceSize(typeURL string, o outgoing, versionLen int) int {
 	n := protowire.SizeTag(resourceVersionField) + protowire.SizeBytes(versionLen) +
 		protowire.SizeTag(resourceResourceField) + protowire.SizeBytes(anySize(typeURL, o.w.Resource)) +
-		protowire.SizeTag(resourceNameField) + protowire.SizeBytes(len(o.w.UID))
+		protowire.SizeTag(resourceNameField) + protowire.SizeBytes(len(o.w.UID()))
 	if o.alias != "" {
 		n += protowire.SizeTag(resourceAliasesField) + protowire.SizeBytes(len(o.alias))
 	}

@@ -29,15 +29,12 @@ func TestResponseWireForm(t *testing.T) {
 			alias = "/10.0.0.1"
 		}
 		out = append(out, outgoing{w: w, alias: alias})
-		r := &discovery.Resource{Name: w.UID, Version: w.VersionString(), Resource: &anypb.Any{TypeUrl: AddressType, Value: []byte(w.Resource)}}
+		r := &discovery.Resource{Name: w.UID(), Version: w.VersionString(), Resource: &anypb.Any{TypeUrl: AddressType, Value: []byte(w.Resource)}}
 		if alias != "" {
 			r.Aliases = []string{alias}
 		}
 		want = append(want, r)
 	}
-	// An empty value is omitted, as the generated code omits it.
-	out = append(out, outgoing{w: &workload.Workload{UID: "Kubernetes//Pod/x/y", Version: 0}})
-	want = append(want, &discovery.Resource{Name: "Kubernetes//Pod/x/y", Version: "0", Resource: &anypb.Any{TypeUrl: AddressType}})
 
 	var direct []byte
 	for _, r := range want {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"math"
 	"strings"
 
 	"github.com/cilium/hive/cell"
@@ -175,11 +176,12 @@ func New(clusterID, trustDomain string, pod *tables.Pod, hbone bool) (*Workload,
 	h.Write(b)
 	resource := string(b)
 	// The uid field is in the resource (nothing before it can hold
-	// "//Pod/"): the name shares its memory.
-	if i := strings.Index(resource, uid); i >= 0 {
-		uid = resource[i : i+len(uid)]
+	// "//Pod/"): the row points at it.
+	at := strings.Index(resource, uid)
+	if at < 0 || at+len(uid) > math.MaxUint16 {
+		return nil, fmt.Errorf("uid %.100q does not fit the workload's row", uid)
 	}
-	return &Workload{UID: uid, HBONE: hbone, Version: h.Sum64(), Resource: resource}, nil
+	return &Workload{Resource: resource, Version: h.Sum64(), uidAt: uint16(at), uidLen: uint16(len(uid)), HBONE: hbone}, nil
 }
 
 // Canonical names as Istio derives them from the recommended labels.

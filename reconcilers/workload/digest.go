@@ -39,7 +39,7 @@ func EntryTerm(entry []byte) uint64 { return maphash.Bytes(hashSeed, entry) }
 func term(w *Workload) uint64 {
 	var buf [128]byte
 	entry := protowire.AppendTag(buf[:0], 1, protowire.BytesType)
-	entry = protowire.AppendString(entry, w.UID)
+	entry = protowire.AppendString(entry, w.UID())
 	entry = protowire.AppendTag(entry, 2, protowire.BytesType)
 	entry = protowire.AppendString(entry, w.VersionString())
 	return EntryTerm(entry)

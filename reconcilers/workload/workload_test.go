@@ -35,7 +35,7 @@ func TestNew(t *testing.T) {
 	if got.String() != want.String() {
 		t.Errorf("Workload\n got %v\nwant %v", got, want)
 	}
-	if w.UID != want.Uid || !w.HBONE {
+	if w.UID() != want.Uid || !w.HBONE {
 		t.Errorf("row %+v", w)
 	}
 
