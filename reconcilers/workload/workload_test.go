@@ -5,6 +5,7 @@ package workload
 import (
 	"encoding/json"
 	"net/netip"
+	"strings"
 	"testing"
 
 	"istio.io/istio/pkg/workloadapi"
@@ -43,6 +44,11 @@ func TestNew(t *testing.T) {
 	// read an empty one as cluster.local.
 	if td := mustNew(t, "cluster-1", "cluster.local", pod, true).Decode().GetTrustDomain(); td != "" {
 		t.Errorf("trust domain %q sent, want the default left out", td)
+	}
+
+	// A row locates its uid in 16 bits: a uid longer is refused, not cut.
+	if _, err := New(strings.Repeat("c", 1<<16), "example.org", pod, true); err == nil {
+		t.Error("a uid of 64 KiB encoded")
 	}
 
 	same, _ := New("cluster-1", "example.org", pod, true)
