@@ -3,6 +3,7 @@
 package api_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -38,7 +39,7 @@ type apiHive struct {
 	checkErr   atomic.Pointer[error]
 }
 
-func startAPI(t *testing.T) *apiHive {
+func startAPI(t *testing.T, args ...string) *apiHive {
 	stateDir, err := os.MkdirTemp("", "mtlsb-api-") // short: socket paths
 	if err != nil {
 		t.Fatal(err)
@@ -71,7 +72,7 @@ func startAPI(t *testing.T) *apiHive {
 	)
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)
-	if err := flags.Parse([]string{"--state-dir=" + stateDir}); err != nil {
+	if err := flags.Parse(append([]string{"--state-dir=" + stateDir}, args...)); err != nil {
 		t.Fatal(err)
 	}
 	log := hivetest.Logger(t)
@@ -157,6 +158,30 @@ func TestRoutes(t *testing.T) {
 	}
 	if body := get("/v1/hello"); body != "hello" {
 		t.Errorf("added route: %q", body)
+	}
+}
+
+// Profiles are served only when asked for with --pprof.
+func TestPprof(t *testing.T) {
+	status := func(a *apiHive, path string) (int, []byte) {
+		resp, err := client.New(a.stateDir).Do(t.Context(), http.MethodGet, path, "", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, b
+	}
+	plain := startAPI(t)
+	plain.health(t) // serving
+	if code, _ := status(plain, "/debug/pprof/heap"); code != http.StatusNotFound {
+		t.Errorf("heap profile without --pprof: %d, want 404", code)
+	}
+	a := startAPI(t, "--pprof")
+	a.health(t)
+	// A profile in pprof's format: gzipped protobuf.
+	if code, b := status(a, "/debug/pprof/heap"); code != http.StatusOK || !bytes.HasPrefix(b, []byte{0x1f, 0x8b}) {
+		t.Errorf("heap profile with --pprof: %d, %.40q", code, b)
 	}
 }
 

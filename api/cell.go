@@ -11,6 +11,7 @@ import (
 	"net/http"
 
 	"github.com/cilium/hive/cell"
+	"github.com/spf13/pflag"
 )
 
 // Cell serves the local API and the shell.
@@ -18,6 +19,7 @@ var Cell = cell.Module(
 	"api",
 	"Local HTTP API and read-only shell on UNIX sockets",
 
+	cell.Config(defaultConfig),
 	// api.sock: statedb dumps, /healthz, /metrics and the routes of HandlerOut.
 	cell.Invoke(registerServer),
 	// shell.sock: the script commands that only read.
@@ -26,6 +28,21 @@ var Cell = cell.Module(
 	// YAML, once or as they change (db show).
 	cell.Provide(showCmd),
 )
+
+// Config of the local API.
+type Config struct {
+	// Pprof serves Go's profiles under /debug/pprof/ (flag --pprof), as
+	// cilium-agent's --pprof does, but on api.sock: only the agent's user
+	// can read them.
+	Pprof bool
+}
+
+var defaultConfig = Config{}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(flags *pflag.FlagSet) {
+	flags.Bool("pprof", def.Pprof, "Serve Go's pprof profiles on the local API socket under /debug/pprof/")
+}
 
 // Handler serves one route of the local API, e.g. "GET /v1/bypass".
 type Handler struct {

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/http/pprof"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -24,6 +25,7 @@ import (
 type serverParams struct {
 	cell.In
 
+	Config   Config
 	Dir      statedir.Dir
 	Log      *slog.Logger
 	DB       *statedb.DB
@@ -47,6 +49,11 @@ func registerServer(p serverParams) {
 	})
 	for _, h := range p.Handlers {
 		mux.Handle(h.Pattern, h.Handler)
+	}
+	if p.Config.Pprof {
+		mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+		mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
 	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	sock := p.Dir.Path(client.APISocket)
