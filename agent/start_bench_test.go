@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -87,7 +88,7 @@ func startOnce(b *testing.B, bin, kubeconfig string) (time.Duration, float64, fl
 	defer os.RemoveAll(stateDir)
 	logs := &syncbuf.Buffer{}
 	cmd := exec.Command(bin, "agent", "--source=k8s", "--kubeconfig="+kubeconfig, "--node-name=node-1",
-		"--state-dir="+stateDir, "--grpc-listen=127.0.0.1:0", "--enable-redirect=false", "--kube-api-qps=50", "--kube-api-burst=100")
+		"--state-dir="+stateDir, "--grpc-listen=127.0.0.1:0", "--enable-redirect=false", "--kube-api-qps=50", "--kube-api-burst=100", "--pprof")
 	cmd.Stdout, cmd.Stderr = logs, logs
 	start := time.Now()
 	must(b, cmd.Start())
@@ -133,6 +134,12 @@ func startOnce(b *testing.B, bin, kubeconfig string) (time.Duration, float64, fl
 				heap, _ = strconv.ParseFloat(v, 64)
 			}
 		}
+		resp.Body.Close()
+	}
+	if resp, err := api.Do(ctx, http.MethodGet, "/debug/pprof/heap?gc=1", "", nil); err == nil {
+		f, _ := os.Create(fmt.Sprintf("/tmp/agent-heap-%d.prof", time.Now().Unix()))
+		io.Copy(f, resp.Body)
+		f.Close()
 		resp.Body.Close()
 	}
 	return toReady, rss, heap

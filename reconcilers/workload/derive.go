@@ -179,7 +179,7 @@ func New(clusterID, trustDomain string, pod *tables.Pod, hbone bool) (*Workload,
 	// "//Pod/"): the row points at it.
 	at := strings.Index(resource, uid)
 	if at < 0 || at+len(uid) > math.MaxUint16 {
-		return nil, fmt.Errorf("uid %.100q does not fit the workload's row", uid)
+		return nil, fmt.Errorf("uid %.100q: %d bytes, more than a workload row can point at", uid, len(uid))
 	}
 	return &Workload{Resource: resource, Version: h.Sum64(), uidAt: uint16(at), uidLen: uint16(len(uid)), HBONE: hbone}, nil
 }
