@@ -150,14 +150,43 @@ func (s *reflectorStore[T]) Replace(list []any, _ string) error {
 	rows := make([]T, 0, len(list))
 	var firstErr error
 	for _, obj := range list {
-		row, err := s.convert(obj)
-		if err != nil && firstErr == nil {
-			firstErr = err
+		c, ok := obj.(*converted[T])
+		if !ok { // listed, not streamed
+			c = s.converted(obj)
 		}
-		rows = append(rows, row)
+		if c.err != nil && firstErr == nil {
+			firstErr = c.err
+		}
+		rows = append(rows, c.row)
 	}
 	s.r().push(storeOp[T]{replace: rows, isList: true, err: firstErr})
 	return nil
+}
+
+// Transformer implements cache.TransformingStore. A streamed listing (the
+// API server's initial watch events) is held by the Reflector until its
+// last object has come, then passed to Replace. Converted as they come,
+// the objects held are the rows, a fraction of an API object's size: a
+// listing of 100,000 pods does not hold 100,000 Pods of the API.
+func (s *reflectorStore[T]) Transformer() cache.TransformFunc {
+	return func(obj any) (any, error) {
+		if c, ok := obj.(*converted[T]); ok {
+			return c, nil
+		}
+		return s.converted(obj), nil
+	}
+}
+
+// converted is an object of the API as its row, with the problem found
+// converting it.
+type converted[T any] struct {
+	row T
+	err error
+}
+
+func (s *reflectorStore[T]) converted(obj any) *converted[T] {
+	row, err := s.convert(obj)
+	return &converted[T]{row: row, err: err}
 }
 
 // k8sJobs builds one reflection job per resource mtlsbridge reads, each

@@ -178,6 +178,72 @@ func TestReflectionFollowsListAndWatch(t *testing.T) {
 	}
 }
 
+// A listing the API server streams as watch events (watch-list) is
+// converted while it streams: until the bookmark that ends it, the
+// Reflector holds rows, not Pods of the API. Then the rows reach the table
+// as one listing, a bad object with its error.
+func TestReflectionConvertsAStreamedListing(t *testing.T) {
+	const streamed = 100
+	watcher := watch.NewFakeWithChanSize(streamed+1, false)
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(context.Context, metav1.ListOptions) (runtime.Object, error) {
+			return nil, errors.New("listed: want the listing streamed")
+		},
+		WatchFuncWithContext: func(_ context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			if opts.SendInitialEvents == nil || !*opts.SendInitialEvents {
+				return nil, errors.New("a watch without initial events: want the listing streamed")
+			}
+			return watcher, nil
+		},
+	}
+	w, err := newWriteTables(statedb.New(), tables.LocalNode{NodeName: "node-a"}, slog.New(slog.DiscardHandler))
+	must(t, err)
+	var conversions atomic.Int32
+	logs := &syncbuf.Buffer{}
+	// Any client but one that says it cannot stream: client-go streams.
+	r := makeReflection(slog.New(slog.NewTextHandler(logs, nil)), w, "k8s/pods", lw, struct{}{}, &corev1.Pod{},
+		func(obj any) (*tables.Pod, error) {
+			conversions.Add(1)
+			return podFromK8s(obj.(*corev1.Pod))
+		}, podSink(w.Pods, newIdentities(w.Pods)))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	health, _ := cell.NewSimpleHealth()
+	go func() { r.run(ctx, health); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	for i := range streamed - 1 {
+		watcher.Add(k8sPod(fmt.Sprintf("p%d", i), fmt.Sprintf("10.1.0.%d", i+1)))
+	}
+	watcher.Add(k8sPod("bad", "10.0.0.999"))
+	for deadline := time.Now().Add(10 * time.Second); conversions.Load() < streamed; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d streamed pods converted before the listing ended; logs:\n%s", conversions.Load(), streamed, logs)
+		}
+	}
+	if n := w.Pods.NumObjects(w.DB.ReadTxn()); n != 0 {
+		t.Fatalf("%d pods in the table before the listing ended", n)
+	}
+
+	end := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{ResourceVersion: "2",
+		Annotations: map[string]string{metav1.InitialEventsAnnotationKey: "true"}}}
+	watcher.Action(watch.Bookmark, end)
+	for deadline := time.Now().Add(10 * time.Second); !sourceRow(w, "k8s/pods").Synced; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the streamed listing never reached the table; logs:\n%s", logs)
+		}
+	}
+	if n := w.Pods.NumObjects(w.DB.ReadTxn()); n != streamed {
+		t.Errorf("%d pods in the table, want %d", n, streamed)
+	}
+	if src := sourceRow(w, "k8s/pods"); !strings.Contains(src.Error, `bad IP "10.0.0.999"`) {
+		t.Errorf("sources row: %+v, want the bad address named", src)
+	}
+	if n := conversions.Load(); n != streamed {
+		t.Errorf("%d conversions for %d pods, want each converted once", n, streamed)
+	}
+}
+
 func k8sEndpoint(name string, identity int64) *unstructured.Unstructured {
 	u := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "cilium.io/v2", "kind": "CiliumEndpoint",
