@@ -48,8 +48,9 @@ const (
 
 // BenchmarkAgentStart runs the agent binary against a real kube-apiserver
 // that holds a 100,000-pod cluster and reports the time from its start to
-// ready (/healthz 200: every table listed and derived) and, at rest (after
-// the runtime's forced collection), its RSS and Go heap. Filling the API server takes minutes, once per run:
+// ready (/healthz 200: every table listed and derived), its peak RSS, and at
+// rest (after the runtime's forced collection) its RSS and live Go heap (in
+// all and per pod). Filling the API server takes minutes, once per run:
 //
 //	go test -run '^$' -bench BenchmarkAgentStart -benchtime 3x ./agent/
 func BenchmarkAgentStart(b *testing.B) {
@@ -70,19 +71,21 @@ func BenchmarkAgentStart(b *testing.B) {
 	gomodule.Build(b, bin, "mtlsbridge")
 	kubeconfig := kubetest.WriteKubeconfig(b, cfg)
 
-	var ready, rss, heap []float64
+	var ready, rss, peakRSS, heap []float64
 	for b.Loop() {
-		r, m, h := startOnce(b, filepath.Join(bin, "mtlsbridge"), kubeconfig)
-		ready, rss, heap = append(ready, r.Seconds()), append(rss, m), append(heap, h)
+		f := startOnce(b, filepath.Join(bin, "mtlsbridge"), kubeconfig)
+		ready, rss, peakRSS, heap = append(ready, f.ready.Seconds()), append(rss, f.rss), append(peakRSS, f.peakRSS), append(heap, f.heap)
 	}
 	b.ReportMetric(median(ready), "s-to-ready")
 	b.ReportMetric(median(rss)/(1<<20), "MiB-RSS")
+	b.ReportMetric(median(peakRSS)/(1<<20), "MiB-peak-RSS")
 	b.ReportMetric(median(heap)/(1<<20), "MiB-heap")
+	b.ReportMetric(median(heap)/startPods, "heap-B/pod")
 }
 
 // startOnce starts the agent, waits for it to be ready and to settle, and
-// returns the time to ready, its RSS and its Go heap in use.
-func startOnce(b *testing.B, bin, kubeconfig string) (time.Duration, float64, float64) {
+// measures it.
+func startOnce(b *testing.B, bin, kubeconfig string) startFigures {
 	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
 	must(b, err)
 	defer os.RemoveAll(stateDir)
@@ -118,31 +121,45 @@ func startOnce(b *testing.B, bin, kubeconfig string) (time.Duration, float64, fl
 
 	// At rest: what the agent holds once its start-up garbage is gone. An
 	// idle Go program collects at the latest after two minutes (the
-	// runtime's forced GC); before that the heap figures count the
-	// garbage of the initial lists too.
+	// runtime's forced GC); before that RSS counts the garbage of the
+	// initial lists too.
 	time.Sleep(2*time.Minute + 10*time.Second)
 	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", cmd.Process.Pid))
 	must(b, err)
-	rss := procKiB(string(status), "VmRSS:") * 1024
-	var heap float64
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	f := startFigures{ready: toReady,
+		rss: procKiB(string(status), "VmRSS:") * 1024, peakRSS: procKiB(string(status), "VmHWM:") * 1024}
+	// The live heap: a heap profile with gc=1 collects first, and the
+	// runtime's metrics then say what the collection left.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if resp, err := api.Do(ctx, http.MethodGet, "/metrics", "", nil); err == nil {
-		sc := bufio.NewScanner(resp.Body)
-		for sc.Scan() {
-			if v, ok := strings.CutPrefix(sc.Text(), "go_memstats_heap_inuse_bytes "); ok {
-				heap, _ = strconv.ParseFloat(v, 64)
-			}
+	resp, err := api.Do(ctx, http.MethodGet, "/debug/pprof/heap?gc=1", "", nil)
+	must(b, err)
+	profile, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	must(b, err)
+	if path := os.Getenv(heapProfileEnv); path != "" {
+		must(b, os.WriteFile(path, profile, 0o644))
+	}
+	resp, err = api.Do(ctx, http.MethodGet, "/metrics", "", nil)
+	must(b, err)
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "go_memstats_heap_alloc_bytes "); ok {
+			f.heap, _ = strconv.ParseFloat(v, 64)
 		}
-		resp.Body.Close()
 	}
-	if resp, err := api.Do(ctx, http.MethodGet, "/debug/pprof/heap?gc=1", "", nil); err == nil {
-		f, _ := os.Create(fmt.Sprintf("/tmp/agent-heap-%d.prof", time.Now().Unix()))
-		io.Copy(f, resp.Body)
-		f.Close()
-		resp.Body.Close()
-	}
-	return toReady, rss, heap
+	return f
+}
+
+// heapProfileEnv names a file for the agent's heap profile at rest (of the
+// last start): go tool pprof -sample_index=inuse_space FILE.
+const heapProfileEnv = "MTLSBRIDGE_BENCH_HEAP_PROFILE"
+
+// startFigures are what one start of the agent measured.
+type startFigures struct {
+	ready              time.Duration
+	rss, peakRSS, heap float64 // bytes
 }
 
 // fillCluster creates the benchmark's namespaces, policies and running pods.
