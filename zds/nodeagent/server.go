@@ -182,6 +182,20 @@ func (s *Server) serve(ctx context.Context, zc *zds.Conn) {
 
 // run sends the snapshot, then follows the table.
 func (s *Server) run(ctx context.Context, c *conn) error {
+	// Not before the table is derived from a full view: ztunnel drops the
+	// pods a snapshot lacks, and with them their connections (an agent
+	// restarted has its table empty for a moment).
+	for {
+		ok, initialized := s.Workloads.Initialized(s.DB.ReadTxn())
+		if ok {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-initialized:
+		}
+	}
 	if err := s.snapshot(c); err != nil {
 		return fmt.Errorf("snapshot: %w", err)
 	}

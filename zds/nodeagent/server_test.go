@@ -248,6 +248,39 @@ func TestSnapshotAndLive(t *testing.T) {
 	})
 }
 
+// TestSnapshotWaitsForTheTable: a ztunnel that connects while the table is
+// not yet derived (the agent just restarted) gets its snapshot only once
+// it is, with every pod: ztunnel drops the pods a snapshot lacks.
+func TestSnapshotWaitsForTheTable(t *testing.T) {
+	f := newFixture(t, 0)
+	wtxn := f.db.WriteTxn(f.rows)
+	derived := f.rows.RegisterInitializer(wtxn, "test")
+	wtxn.Commit()
+	z := startZtunnel(t, f.path)
+	f.eventually("connection", func() error {
+		if f.conns.NumObjects(f.db.ReadTxn()) == 0 {
+			return errors.New("ztunnel not connected")
+		}
+		return nil
+	})
+	f.put("app/a", f.netns)
+	time.Sleep(100 * time.Millisecond)
+	for c := range f.conns.All(f.db.ReadTxn()) {
+		if c.SnapshotSent {
+			t.Fatal("snapshot sent before the table was derived")
+		}
+	}
+	wtxn = f.db.WriteTxn(f.rows)
+	derived(wtxn)
+	wtxn.Commit()
+	f.wantServing(z, "uid-a app/a sa=sa-a")
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	if want := []string{"add uid-a", "snapshot"}; !slices.Equal(z.events, want) {
+		t.Errorf("ztunnel saw %q, want %q", z.events, want)
+	}
+}
+
 // TestReconnect: when ztunnel goes, the rows it held wait; when it comes
 // back, the snapshot gives it every pod again.
 func TestReconnect(t *testing.T) {
