@@ -65,7 +65,7 @@ func benchPod(i int, gen int) *tables.Pod {
 }
 
 // tlsPair gives a server certificate and a client pool from a fresh CA.
-func tlsPair(b *testing.B) (*tls.Config, *tls.Config) {
+func tlsPair(b testing.TB) (*tls.Config, *tls.Config) {
 	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
 	if err != nil {
 		b.Fatal(err)
@@ -86,7 +86,7 @@ func tlsPair(b *testing.B) (*tls.Config, *tls.Config) {
 }
 
 // serve runs register on a TLS gRPC server on loopback and returns a client.
-func serve(b *testing.B, register func(*grpc.Server)) discovery.AggregatedDiscoveryServiceClient {
+func serve(b testing.TB, register func(*grpc.Server)) discovery.AggregatedDiscoveryServiceClient {
 	serverTLS, clientTLS := tlsPair(b)
 	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(serverTLS)), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20),
 		grpcserver.CodecOption())

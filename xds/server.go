@@ -95,6 +95,21 @@ func (s *server) delta(grpcStream deltaStream) error {
 	if err != nil {
 		return err
 	}
+	// Nothing is answered from a table not yet derived from a full view
+	// (the agent just started): told a partial table, a client drops the
+	// workloads not derived yet, and ztunnel sends to a destination it
+	// does not know without mTLS.
+	for {
+		ok, derived := s.Workloads.Initialized(s.DB.ReadTxn())
+		if ok {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-derived:
+		}
+	}
 	st := s.newStream(ctx, grpcStream, caller)
 	if p, ok := peer.FromContext(ctx); ok {
 		st.client.Peer = p.Addr.String()
