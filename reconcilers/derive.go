@@ -30,7 +30,8 @@ func RunDerivation(ctx context.Context, health cell.Health, step func() []<-chan
 }
 
 // WaitInitialized waits until every table is initialized, reporting which
-// one it waits for. It returns false when ctx ends first.
+// one it waits for to health, if not nil (a stream has no health of its
+// own). It returns false when ctx ends first.
 func WaitInitialized(ctx context.Context, health cell.Health, db *statedb.DB, tables ...statedb.TableMeta) bool {
 	for _, t := range tables {
 		for {
@@ -38,7 +39,9 @@ func WaitInitialized(ctx context.Context, health cell.Health, db *statedb.DB, ta
 			if ok {
 				break
 			}
-			health.OK("waiting for table " + t.Name())
+			if health != nil {
+				health.OK("waiting for table " + t.Name())
+			}
 			select {
 			case <-ctx.Done():
 				return false

@@ -20,6 +20,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -99,16 +100,8 @@ func (s *server) delta(grpcStream deltaStream) error {
 	// (the agent just started): told a partial table, a client drops the
 	// workloads not derived yet, and ztunnel sends to a destination it
 	// does not know without mTLS.
-	for {
-		ok, derived := s.Workloads.Initialized(s.DB.ReadTxn())
-		if ok {
-			break
-		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-derived:
-		}
+	if !reconcilers.WaitInitialized(ctx, nil, s.DB, s.Workloads) {
+		return nil
 	}
 	st := s.newStream(ctx, grpcStream, caller)
 	if p, ok := peer.FromContext(ctx); ok {

@@ -29,24 +29,11 @@ func TestAnswerWaitsForTheDerivedTable(t *testing.T) {
 	must(t, err)
 	pods, err := tables.NewPodsTable(db, tables.LocalNode{NodeName: "node-a"})
 	must(t, err)
-	cniPods, err := tables.NewCNIPodsTable(db)
-	must(t, err)
-	clients, err := NewClientsTable(db)
-	must(t, err)
-	acks, err := NewAcksTable(db)
-	must(t, err)
 	wtxn := db.WriteTxn(workloads)
 	derived := workloads.RegisterInitializer(wtxn, "test")
 	wtxn.Commit()
-	s := &server{
-		serverParams: serverParams{
-			Config: Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Minute, XDSMaxResourcesPerResponse: 100, XDSMaxNames: 100},
-			Log:    slog.New(slog.DiscardHandler), Metrics: newMetrics(prometheus.NewRegistry()),
-			DB: db, Workloads: workloads, Pods: pods, CNIPods: cniPods, Clients: clients, Acks: acks,
-			WorkloadConfig: workload.Config{ClusterID: "Kubernetes"}, Node: tables.LocalNode{NodeName: "node-a"},
-		},
-		auth: acceptAll, buffers: newResponseBuffers(),
-	}
+	s := newTestServer(t, db, workloads, pods, "node-a",
+		Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Minute, XDSMaxResourcesPerResponse: 100, XDSMaxNames: 100})
 	client := serve(t, func(srv *grpc.Server) { srv.RegisterService(serviceDesc(), s) })
 
 	web, err := workload.New("Kubernetes", "cluster.local", &tables.Pod{Namespace: "app", Name: "web", NodeName: "node-b",
@@ -87,5 +74,24 @@ func TestAnswerWaitsForTheDerivedTable(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("no answer once the table was derived")
+	}
+}
+
+// newTestServer is a server of db's workloads and pods on node, with the
+// other tables it reads, empty, and every caller accepted.
+func newTestServer(t testing.TB, db *statedb.DB, workloads statedb.Table[*workload.Workload], pods statedb.Table[*tables.Pod], node string, cfg Config) *server {
+	cniPods, err := tables.NewCNIPodsTable(db)
+	must(t, err)
+	clients, err := NewClientsTable(db)
+	must(t, err)
+	acks, err := NewAcksTable(db)
+	must(t, err)
+	return &server{
+		serverParams: serverParams{
+			Config: cfg, Log: slog.New(slog.DiscardHandler), Metrics: newMetrics(prometheus.NewRegistry()),
+			DB: db, Workloads: workloads, Pods: pods, CNIPods: cniPods, Clients: clients, Acks: acks,
+			WorkloadConfig: workload.Config{ClusterID: "Kubernetes"}, Node: tables.LocalNode{NodeName: node},
+		},
+		auth: acceptAll, buffers: newResponseBuffers(),
 	}
 }

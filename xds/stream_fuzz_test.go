@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
-	"log/slog"
 	"maps"
 	"net/netip"
 	"slices"
@@ -16,7 +15,6 @@ import (
 
 	"github.com/cilium/statedb"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -132,25 +130,12 @@ func newFuzzStream(t *testing.T) *fuzzStream {
 	must(t, err)
 	pods, err := tables.NewPodsTable(db, tables.LocalNode{NodeName: "node-0"})
 	must(t, err)
-	cniPods, err := tables.NewCNIPodsTable(db)
-	must(t, err)
-	clients, err := NewClientsTable(db)
-	must(t, err)
-	acks, err := NewAcksTable(db)
-	must(t, err)
 	fz := &fuzzStream{t: t, db: db, workloads: wl, pods: pods, view: map[string]string{}}
 	for i := range fuzzWorkloads {
 		fz.write(i, false)
 	}
-	s := &server{
-		serverParams: serverParams{
-			Config: Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Second, XDSMaxResourcesPerResponse: 2, XDSMaxNames: 16},
-			Log:    slog.New(slog.DiscardHandler), Metrics: newMetrics(prometheus.NewRegistry()),
-			DB: db, Workloads: wl, Pods: pods, CNIPods: cniPods, Clients: clients, Acks: acks,
-			WorkloadConfig: workload.Config{ClusterID: "Kubernetes"}, Node: tables.LocalNode{NodeName: "node-0"},
-		},
-		buffers: newResponseBuffers(),
-	}
+	s := newTestServer(t, db, wl, pods, "node-0",
+		Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Second, XDSMaxResourcesPerResponse: 2, XDSMaxNames: 16})
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	fz.st = s.newStream(ctx, nil, grpcserver.Caller{Namespace: "kube-system", Pod: "ztunnel"})

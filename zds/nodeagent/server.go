@@ -22,6 +22,7 @@ import (
 	"golang.org/x/time/rate"
 	"istio.io/istio/pkg/zdsapi"
 
+	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
 	"github.com/mtlsbridge/mtlsbridge/zds"
 )
@@ -185,16 +186,8 @@ func (s *Server) run(ctx context.Context, c *conn) error {
 	// Not before the table is derived from a full view: ztunnel drops the
 	// pods a snapshot lacks, and with them their connections (an agent
 	// restarted has its table empty for a moment).
-	for {
-		ok, initialized := s.Workloads.Initialized(s.DB.ReadTxn())
-		if ok {
-			break
-		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-initialized:
-		}
+	if !reconcilers.WaitInitialized(ctx, nil, s.DB, s.Workloads) {
+		return nil
 	}
 	if err := s.snapshot(c); err != nil {
 		return fmt.Errorf("snapshot: %w", err)
