@@ -134,6 +134,9 @@ func startOnce(b *testing.B, bin, kubeconfig string) startFigures {
 	defer cancel()
 	resp, err := api.Do(ctx, http.MethodGet, "/debug/pprof/heap?gc=1", "", nil)
 	must(b, err)
+	if resp.StatusCode != http.StatusOK {
+		b.Fatalf("heap profile: %s", resp.Status)
+	}
 	profile, err := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	must(b, err)

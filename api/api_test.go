@@ -183,6 +183,10 @@ func TestPprof(t *testing.T) {
 	if code, b := status(a, "/debug/pprof/heap"); code != http.StatusOK || !bytes.HasPrefix(b, []byte{0x1f, 0x8b}) {
 		t.Errorf("heap profile with --pprof: %d, %.40q", code, b)
 	}
+	// The index's links work: the command line names the test binary.
+	if code, b := status(a, "/debug/pprof/cmdline"); code != http.StatusOK || len(b) == 0 {
+		t.Errorf("command line with --pprof: %d, %q", code, b)
+	}
 }
 
 // The shell offers the commands that read, and nothing else.

@@ -100,6 +100,9 @@ func (s *server) delta(grpcStream deltaStream) error {
 	// (the agent just started): told a partial table, a client drops the
 	// workloads not derived yet, and ztunnel sends to a destination it
 	// does not know without mTLS.
+	if ok, _ := s.Workloads.Initialized(s.DB.ReadTxn()); !ok {
+		s.Log.Info("xDS stream waits until the workloads table is derived", "pod", caller.Key())
+	}
 	if !reconcilers.WaitInitialized(ctx, nil, s.DB, s.Workloads) {
 		return nil
 	}

@@ -143,10 +143,8 @@ func appendResources(b []byte, typeURL string, out []outgoing) []byte {
 		b = protowire.AppendVarint(b, uint64(anySize(typeURL, o.w.Resource)))
 		b = protowire.AppendTag(b, anyTypeURLField, protowire.BytesType)
 		b = protowire.AppendString(b, typeURL)
-		if len(o.w.Resource) > 0 {
-			b = protowire.AppendTag(b, anyValueField, protowire.BytesType)
-			b = protowire.AppendString(b, o.w.Resource)
-		}
+		b = protowire.AppendTag(b, anyValueField, protowire.BytesType)
+		b = protowire.AppendString(b, o.w.Resource)
 		b = protowire.AppendTag(b, resourceNameField, protowire.BytesType)
 		b = protowire.AppendString(b, o.w.UID())
 		if o.alias != "" {
@@ -171,9 +169,6 @@ func resourceSize(typeURL string, o outgoing, versionLen int) int {
 }
 
 func anySize(typeURL string, value string) int {
-	n := protowire.SizeTag(anyTypeURLField) + protowire.SizeBytes(len(typeURL))
-	if len(value) > 0 {
-		n += protowire.SizeTag(anyValueField) + protowire.SizeBytes(len(value))
-	}
-	return n
+	return protowire.SizeTag(anyTypeURLField) + protowire.SizeBytes(len(typeURL)) +
+		protowire.SizeTag(anyValueField) + protowire.SizeBytes(len(value))
 }

@@ -178,7 +178,10 @@ func New(clusterID, trustDomain string, pod *tables.Pod, hbone bool) (*Workload,
 	// The uid field is in the resource (nothing before it can hold
 	// "//Pod/"): the row points at it.
 	at := strings.Index(resource, uid)
-	if at < 0 || at+len(uid) > math.MaxUint16 {
+	switch {
+	case at < 0:
+		return nil, fmt.Errorf("uid %.100q not found in its encoded workload", uid)
+	case at+len(uid) > math.MaxUint16:
 		return nil, fmt.Errorf("uid %.100q: %d bytes, more than a workload row can point at", uid, len(uid))
 	}
 	return &Workload{Resource: resource, Version: h.Sum64(), uidAt: uint16(at), uidLen: uint16(len(uid)), HBONE: hbone}, nil

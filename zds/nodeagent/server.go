@@ -22,7 +22,6 @@ import (
 	"golang.org/x/time/rate"
 	"istio.io/istio/pkg/zdsapi"
 
-	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
 	"github.com/mtlsbridge/mtlsbridge/zds"
 )
@@ -183,11 +182,8 @@ func (s *Server) serve(ctx context.Context, zc *zds.Conn) {
 
 // run sends the snapshot, then follows the table.
 func (s *Server) run(ctx context.Context, c *conn) error {
-	// Not before the table is derived from a full view: ztunnel drops the
-	// pods a snapshot lacks, and with them their connections (an agent
-	// restarted has its table empty for a moment).
-	if !reconcilers.WaitInitialized(ctx, nil, s.DB, s.Workloads) {
-		return nil
+	if err := s.waitDerived(ctx, c); err != nil || ctx.Err() != nil {
+		return err
 	}
 	if err := s.snapshot(c); err != nil {
 		return fmt.Errorf("snapshot: %w", err)
@@ -221,6 +217,30 @@ func (s *Server) run(ctx context.Context, c *conn) error {
 		}
 		if err != nil || ctx.Err() != nil {
 			return err
+		}
+	}
+}
+
+// waitDerived waits until the table is derived from a full view: ztunnel
+// drops the pods a snapshot lacks, and with them their connections (an
+// agent restarted has its table empty for a moment). Meanwhile it checks
+// that ztunnel is still there, so that one gone frees its slot.
+func (s *Server) waitDerived(ctx context.Context, c *conn) error {
+	tick := time.NewTicker(keepalive)
+	defer tick.Stop()
+	for {
+		ok, derived := s.Workloads.Initialized(s.DB.ReadTxn())
+		if ok {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-derived:
+		case <-tick.C:
+			if err := c.c.CheckAlive(); err != nil {
+				return err
+			}
 		}
 	}
 }

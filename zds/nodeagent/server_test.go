@@ -263,6 +263,21 @@ func TestSnapshotWaitsForTheTable(t *testing.T) {
 		}
 		return nil
 	})
+	// A ztunnel that goes meanwhile is noticed: its slot is freed.
+	gone := startZtunnel(t, f.path)
+	f.eventually("second connection", func() error {
+		if n := f.conns.NumObjects(f.db.ReadTxn()); n != 2 {
+			return fmt.Errorf("%d connections", n)
+		}
+		return nil
+	})
+	gone.stop()
+	f.eventually("the connection gone released", func() error {
+		if n := f.conns.NumObjects(f.db.ReadTxn()); n != 1 {
+			return fmt.Errorf("%d connections, want 1", n)
+		}
+		return nil
+	})
 	f.put("app/a", f.netns)
 	time.Sleep(100 * time.Millisecond)
 	for c := range f.conns.All(f.db.ReadTxn()) {
