@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"runtime"
 	"slices"
 
 	"github.com/vishvananda/netlink"
@@ -43,11 +44,18 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		return err
 	}
-	for _, node := range []string{"/proc/self/ns/net", "/proc/1/ns/net"} {
-		var ns unix.Stat_t
-		if unix.Stat(node, &ns) == nil && ns.Dev == st.Dev && ns.Ino == st.Ino {
-			return fmt.Errorf("%w: %s is %s", ErrNodeNetns, f.Name(), node)
-		}
+	own, err := ownNetns()
+	if err != nil {
+		return err
+	}
+	if own.Dev == st.Dev && own.Ino == st.Ino {
+		return fmt.Errorf("%w: %s is the agent's own", ErrNodeNetns, f.Name())
+	}
+	// PID 1's is the node's when the agent sees the node's processes. When
+	// the agent is PID 1, that is its main thread's (see ownNetns).
+	var init unix.Stat_t
+	if os.Getpid() != 1 && unix.Stat("/proc/1/ns/net", &init) == nil && init.Dev == st.Dev && init.Ino == st.Ino {
+		return fmt.Errorf("%w: %s is PID 1's", ErrNodeNetns, f.Name())
 	}
 	if len(ips) == 0 {
 		return nil
@@ -73,6 +81,22 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 		}
 	}
 	return nil
+}
+
+// ownNetns identifies the agent's own network namespace. It is read on a
+// thread locked for the purpose, not from /proc/self, which is the main
+// thread's: libraries that open a netlink socket in a pod's namespace
+// (netlink.NewHandleAt, nftables) move their thread there for a moment,
+// and that may be the main thread, which would make the pod's namespace
+// look like the node's. They hold their thread until it is back, so a
+// thread locked here is in the agent's namespace. Not for a caller on a
+// thread it moved to another namespace.
+func ownNetns() (unix.Stat_t, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var st unix.Stat_t
+	err := unix.Stat("/proc/thread-self/ns/net", &st)
+	return st, err
 }
 
 // inPodNetns opens the pod's namespace and runs fn with its handle.

@@ -69,7 +69,11 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	}
 	var errs []error
 	for _, path := range paths {
-		if !o.target.Present(path) {
+		present, err := o.target.Present(path)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", path, err))
+		}
+		if !present {
 			continue
 		}
 		o.log.Info("Pruning an in-pod redirection no enrolled pod asks for", "netns", path)

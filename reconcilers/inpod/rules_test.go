@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
@@ -154,6 +156,46 @@ func TestPodNetnsChecks(t *testing.T) {
 	if _, err := openPodNetns("/var/run/netns/none-such", nil); err == nil || !errors.Is(err, syscall.ENOENT) {
 		t.Errorf("a missing namespace: %v", err)
 	}
+}
+
+// TestPodNetnsWhileTheMainThreadIsThere: a library that opens a netlink
+// socket in a pod's namespace (netlink.NewHandleAt, nftables) moves its
+// thread there for a moment, and that may be the main thread, the one
+// /proc/self names. Meanwhile the pod's namespace is still taken for a
+// pod's, and the agent's own is still refused.
+func TestPodNetnsWhileTheMainThreadIsThere(t *testing.T) {
+	netnstest.RequirePrivileged(t)
+	n1, _ := netnstest.NewNodes(t)
+	a := n1.AddPod(t, "a")
+	entered, leave := make(chan error), make(chan struct{})
+	left := make(chan error, 1)
+	mainThread <- func() {
+		orig, err := netns.Get()
+		if err == nil {
+			err = netns.Set(a.Handle)
+		}
+		entered <- err
+		if err != nil {
+			return
+		}
+		<-leave
+		left <- netns.Set(orig)
+		orig.Close()
+	}
+	must(t, <-entered)
+	runtime.LockOSThread()
+	f, err := openPodNetns("/var/run/netns/"+a.NS.Name, []netip.Addr{a.IP4, a.IP6})
+	if err != nil {
+		t.Errorf("the pod's namespace while the main thread is in it: %v", err)
+	} else {
+		f.Close()
+	}
+	if _, err := openPodNetns("/proc/thread-self/ns/net", nil); !errors.Is(err, ErrNodeNetns) {
+		t.Errorf("the agent's own namespace while the main thread is in a pod's: %v", err)
+	}
+	runtime.UnlockOSThread()
+	close(leave)
+	must(t, <-left)
 }
 
 // listen opens a listener of ztunnel's in the pod on both families,

@@ -163,10 +163,10 @@ func (f *fakeTarget) Remove(path string) error {
 	return nil
 }
 
-func (f *fakeTarget) Present(path string) bool {
+func (f *fakeTarget) Present(path string) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.rules[path]
+	return f.rules[path], nil
 }
 
 func (f *fakeTarget) Check(path string, ips []netip.Addr) ([]string, error) {

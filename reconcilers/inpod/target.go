@@ -21,8 +21,9 @@ type Target interface {
 	// namespace that is gone, or that is the node's, is left alone.
 	Remove(path string) error
 	// Present tells whether anything of the redirection is in the
-	// namespace at path; false when it cannot be opened.
-	Present(path string) bool
+	// namespace at path; false, without an error, when the namespace is
+	// gone or is the node's.
+	Present(path string) (bool, error)
 	// Check reads the namespace now and returns how it differs from what
 	// Apply writes for ips, and which of ztunnel's listeners are missing.
 	Check(path string, ips []netip.Addr) ([]string, error)
@@ -48,13 +49,16 @@ func (netlinkTarget) Remove(path string) error {
 	return err
 }
 
-func (netlinkTarget) Present(path string) bool {
+func (netlinkTarget) Present(path string) (bool, error) {
 	present := false
-	inPodNetns(path, nil, func(h netns.NsHandle) (err error) {
+	err := inPodNetns(path, nil, func(h netns.NsHandle) (err error) {
 		present, err = rulesPresent(h)
 		return err
 	})
-	return present
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, ErrNodeNetns) {
+		return false, nil
+	}
+	return present, err
 }
 
 func (netlinkTarget) Check(path string, ips []netip.Addr) ([]string, error) {
