@@ -53,8 +53,8 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 	}
 	// PID 1's is the node's when the agent sees the node's processes. When
 	// the agent is PID 1, that is its main thread's (see ownNetns).
-	var init unix.Stat_t
-	if os.Getpid() != 1 && unix.Stat("/proc/1/ns/net", &init) == nil && init.Dev == st.Dev && init.Ino == st.Ino {
+	var pid1 unix.Stat_t
+	if os.Getpid() != 1 && unix.Stat("/proc/1/ns/net", &pid1) == nil && pid1.Dev == st.Dev && pid1.Ino == st.Ino {
 		return fmt.Errorf("%w: %s is PID 1's", ErrNodeNetns, f.Name())
 	}
 	if len(ips) == 0 {
