@@ -4,13 +4,18 @@ package netnstest_test
 
 import (
 	"net/netip"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 )
 
 // TestTopology: pods reach each other over IPv4 and IPv6, across nodes and
-// on one node, with the addresses they were given.
+// on one node, with the addresses they were given, from the moment they
+// exist: not one SYN needs to go twice.
 func TestTopology(t *testing.T) {
 	netnstest.RequirePrivileged(t)
 	n1, n2 := netnstest.NewNodes(t)
@@ -37,4 +42,41 @@ func TestTopology(t *testing.T) {
 			}
 		}
 	}
+	for _, p := range []*netnstest.Pod{a, r} {
+		if n := synRetransmits(t, p); n != 0 {
+			t.Errorf("%s retransmitted %d SYNs: a packet was lost", p.Name, n)
+		}
+	}
+}
+
+// synRetransmits reads TcpExt TCPSynRetrans of the pod's namespace.
+func synRetransmits(t *testing.T, p *netnstest.Pod) int {
+	var netstat []byte
+	err := p.Do(func() (err error) {
+		netstat, err = os.ReadFile("/proc/thread-self/net/netstat")
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for line := range strings.Lines(string(netstat)) {
+		fields := strings.Fields(line)
+		if len(fields) == 0 || fields[0] != "TcpExt:" {
+			continue
+		}
+		if names == nil {
+			names = fields
+			continue
+		}
+		if i := slices.Index(names, "TCPSynRetrans"); i > 0 && i < len(fields) {
+			n, err := strconv.Atoi(fields[i])
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("no TCPSynRetrans in %s's netstat", p.Name)
+	return 0
 }
