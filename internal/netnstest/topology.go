@@ -191,9 +191,9 @@ func (p *Pod) Remove(t testing.TB) {
 
 // waitOperUp waits until the kernel has taken the link up (its link-watch
 // worker has seen the carrier). With the uplinks' routes added before that,
-// the first IPv6 packet between the nodes was lost in 9 runs of 10: a
-// connection's first SYN went again only a second later, and a test that
-// gives a connection two seconds failed when that one was lost too.
+// the first IPv6 connection between the nodes lost its first SYN in 9 runs
+// of 10, sometimes the retransmitted one too: it took one or two seconds,
+// and failed a test that gives a connection two.
 func waitOperUp(t testing.TB, h *netlink.Handle, l netlink.Link) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
