@@ -88,15 +88,18 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 // thread's: libraries that open a netlink socket in a pod's namespace
 // (netlink.NewHandleAt, nftables) move their thread there for a moment,
 // and that may be the main thread, which would make the pod's namespace
-// look like the node's. They hold their thread until it is back, so a
-// thread locked here is in the agent's namespace. Not for a caller on a
-// thread it moved to another namespace.
+// look like the node's. They keep the thread locked until it is back (or
+// the runtime discards it), so a thread locked here is in the agent's
+// namespace. Not for a caller on a thread it moved to another namespace.
 func ownNetns() (unix.Stat_t, error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	var st unix.Stat_t
-	err := unix.Stat("/proc/thread-self/ns/net", &st)
-	return st, err
+	if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
+		// %v: this is no sign that the pod's namespace is gone.
+		return st, fmt.Errorf("the agent's own network namespace: %v", err)
+	}
+	return st, nil
 }
 
 // inPodNetns opens the pod's namespace and runs fn with its handle.

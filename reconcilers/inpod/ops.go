@@ -71,7 +71,7 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	for _, path := range paths {
 		present, err := o.target.Present(path)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", path, err))
+			errs = append(errs, fmt.Errorf("netns %s: %w", path, err))
 		}
 		if !present {
 			continue

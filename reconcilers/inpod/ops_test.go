@@ -17,9 +17,9 @@ import (
 )
 
 // TestPruneNamesWhatItCannotRead: a namespace the prune cannot read is
-// named in its error, which the reconciler's health shows, instead of
-// being passed over in silence; the other namespaces are pruned all the
-// same.
+// named in its error (the reconciler logs it and counts it in its prune
+// errors) instead of being passed over in silence; the other namespaces
+// are pruned all the same.
 func TestPruneNamesWhatItCannotRead(t *testing.T) {
 	db := statedb.New()
 	cniPods, err := tables.NewCNIPodsTable(db)
@@ -35,11 +35,22 @@ func TestPruneNamesWhatItCannotRead(t *testing.T) {
 	ops := &RulesOps{target: target, cniPods: cniPods, log: slog.New(slog.DiscardHandler)}
 	noRows := func(func(*Redirection, statedb.Revision) bool) {}
 	err = ops.Prune(context.Background(), txn, noRows)
-	if err == nil || !strings.Contains(err.Error(), "/run/netns/unreadable: permission denied") {
+	if err == nil || !strings.Contains(err.Error(), "netns /run/netns/unreadable: permission denied") {
 		t.Errorf("prune error %v, want one naming the unreadable namespace", err)
 	}
 	if !slices.Equal(target.removed, []string{"/run/netns/stale"}) {
 		t.Errorf("removed %v, want the stale namespace's redirection only", target.removed)
+	}
+}
+
+// TestPresentFindsNothingWhereNothingCanBe: a namespace that is gone, the
+// agent's own, and a path that is no network namespace hold nothing of the
+// redirection, and are no error of the prune.
+func TestPresentFindsNothingWhereNothingCanBe(t *testing.T) {
+	for _, path := range []string{"/run/netns/none-such", "/proc/thread-self/ns/net", "/proc/self/ns/uts"} {
+		if present, err := newNetlinkTarget().Present(path); present || err != nil {
+			t.Errorf("%s: present %v, error %v; want nothing there", path, present, err)
+		}
 	}
 }
 

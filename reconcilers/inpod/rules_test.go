@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -183,7 +182,12 @@ func TestPodNetnsWhileTheMainThreadIsThere(t *testing.T) {
 		orig.Close()
 	}
 	must(t, <-entered)
-	runtime.LockOSThread()
+	defer func() {
+		close(leave)
+		must(t, <-left)
+	}()
+	// This goroutine is not on the main thread (TestMain keeps it), so
+	// /proc/thread-self below is the test's own namespace.
 	f, err := openPodNetns("/var/run/netns/"+a.NS.Name, []netip.Addr{a.IP4, a.IP6})
 	if err != nil {
 		t.Errorf("the pod's namespace while the main thread is in it: %v", err)
@@ -193,9 +197,6 @@ func TestPodNetnsWhileTheMainThreadIsThere(t *testing.T) {
 	if _, err := openPodNetns("/proc/thread-self/ns/net", nil); !errors.Is(err, ErrNodeNetns) {
 		t.Errorf("the agent's own namespace while the main thread is in a pod's: %v", err)
 	}
-	runtime.UnlockOSThread()
-	close(leave)
-	must(t, <-left)
 }
 
 // listen opens a listener of ztunnel's in the pod on both families,

@@ -8,6 +8,8 @@ import (
 	"os"
 
 	"github.com/vishvananda/netns"
+
+	"github.com/mtlsbridge/mtlsbridge/zds"
 )
 
 // Target is where the in-pod redirection goes: the pods' network
@@ -22,7 +24,7 @@ type Target interface {
 	Remove(path string) error
 	// Present tells whether anything of the redirection is in the
 	// namespace at path; false, without an error, when the namespace is
-	// gone or is the node's.
+	// gone, is the node's, or the path is no network namespace.
 	Present(path string) (bool, error)
 	// Check reads the namespace now and returns how it differs from what
 	// Apply writes for ips, and which of ztunnel's listeners are missing.
@@ -55,7 +57,7 @@ func (netlinkTarget) Present(path string) (bool, error) {
 		present, err = rulesPresent(h)
 		return err
 	})
-	if errors.Is(err, os.ErrNotExist) || errors.Is(err, ErrNodeNetns) {
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, ErrNodeNetns) || errors.Is(err, zds.ErrNotNetns) {
 		return false, nil
 	}
 	return present, err
