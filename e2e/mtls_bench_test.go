@@ -15,6 +15,7 @@ import (
 	"io"
 	"math/big"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -220,7 +221,7 @@ func BenchmarkMTLS(b *testing.B) {
 // after garbage collections (which its admin port's heap profile runs).
 // Two: a sync.Pool keeps what it holds through one collection, and the
 // buffers that earlier connections left in pools must not count as the
-// baseline (they made the figure a fifth of the truth).
+// baseline.
 func liveMemory(b *testing.B, n *bedNode) float64 {
 	b.Helper()
 	for range 2 {
@@ -231,7 +232,11 @@ func liveMemory(b *testing.B, n *bedNode) float64 {
 		}))
 		c.SetDeadline(time.Now().Add(requestTimeout))
 		fmt.Fprintf(c, "GET /debug/pprof/heap?gc=1 HTTP/1.0\r\nHost: localhost\r\n\r\n")
-		io.Copy(io.Discard, c)
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil || resp.StatusCode != http.StatusOK {
+			b.Fatalf("%s's proxy heap profile (the collection): %v %v", n.name, resp, err)
+		}
+		io.Copy(io.Discard, resp.Body)
 		c.Close()
 	}
 	return n.metric("go_memstats_heap_inuse_bytes") + n.metric("go_memstats_stack_inuse_bytes")

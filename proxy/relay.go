@@ -11,7 +11,7 @@ import (
 )
 
 // Copy buffers: small while a direction trickles or waits, large while it
-// streams (fewer system calls and larger HTTP/2 frames).
+// streams (fewer system calls).
 const (
 	smallBuffer = 16 << 10
 	largeBuffer = 256 << 10

@@ -42,14 +42,15 @@ func TestTopology(t *testing.T) {
 			}
 		}
 	}
-	for _, p := range []*netnstest.Pod{a, r} {
+	for _, p := range []*netnstest.Pod{a, b, r} {
 		if n := synRetransmits(t, p); n != 0 {
-			t.Errorf("%s retransmitted %d SYNs: a packet was lost", p.Name, n)
+			t.Errorf("%s retransmitted %d SYNs or SYN-ACKs: a packet was lost", p.Name, n)
 		}
 	}
 }
 
-// synRetransmits reads TcpExt TCPSynRetrans of the pod's namespace.
+// synRetransmits reads TcpExt TCPSynRetrans (SYNs and SYN-ACKs sent again)
+// of the pod's namespace.
 func synRetransmits(t *testing.T, p *netnstest.Pod) int {
 	var netstat []byte
 	err := p.Do(func() (err error) {

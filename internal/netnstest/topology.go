@@ -146,6 +146,8 @@ func (n *Node) AddPod(t testing.TB, name string) *Pod {
 	must(t, err)
 	p.MAC = eth0.Attrs().HardwareAddr
 	must(t, ph.LinkSetUp(eth0))
+	waitOperUp(t, nh, host)
+	waitOperUp(t, ph, eth0)
 	addAddr(t, ph, eth0, p.IP4, 32)
 	addAddr(t, ph, eth0, p.IP6, 128)
 	gw4 := netip.MustParseAddr(podGW4)
@@ -190,10 +192,15 @@ func (p *Pod) Remove(t testing.TB) {
 }
 
 // waitOperUp waits until the kernel has taken the link up (its link-watch
-// worker has seen the carrier). With the uplinks' routes added before that,
-// the first IPv6 connection between the nodes lost its first SYN in 9 runs
-// of 10, sometimes the retransmitted one too: it took one or two seconds,
-// and failed a test that gives a connection two.
+// worker has seen the carrier), before routes go over it. That can take up
+// to a second: the kernel batches a carrier change it does not count as
+// urgent, such as that of a veth whose two ends have the same index (the
+// uplink: the first link of each node's fresh namespace), or any while
+// other links change. With the uplinks' routes added before, the first
+// IPv6 connection between the nodes lost its first SYN in 9 runs of 10,
+// sometimes the retransmitted one too, and failed a test that gives a
+// connection two seconds; with the pods' routes, the first connection lost
+// one while other tests changed links.
 func waitOperUp(t testing.TB, h *netlink.Handle, l netlink.Link) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
