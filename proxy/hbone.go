@@ -79,6 +79,10 @@ type clientStream struct {
 func (s *clientStream) Read(p []byte) (int, error)  { return s.body.Read(p) }
 func (s *clientStream) Write(p []byte) (int, error) { return s.pw.Write(p) }
 
+// waitReadable returns once the response body has data, its end or an
+// error, without a buffer (see waitBody).
+func (s *clientStream) waitReadable() error { return waitBody(s.body) }
+
 // CloseWrite ends the request body: END_STREAM.
 func (s *clientStream) CloseWrite() error { return s.pw.Close() }
 
@@ -144,6 +148,21 @@ func newServerStream(w http.ResponseWriter, r *http.Request) *serverStream {
 }
 
 func (s *serverStream) Read(p []byte) (int, error) { return s.body.Read(p) }
+
+// waitReadable returns once the request body has data, its end or an
+// error, without a buffer (see waitBody).
+func (s *serverStream) waitReadable() error { return waitBody(s.body) }
+
+// waitBody waits on an HTTP/2 body with a read of nothing: x/net's bodies
+// return from it only once data, the end or an error is there
+// (TestStreamsWaitWithoutABuffer checks it), so an idle tunnel holds no
+// copy buffer at either end. The end is for the read that follows.
+func waitBody(body io.Reader) error {
+	if _, err := body.Read(nil); err != nil && err != io.EOF {
+		return err
+	}
+	return nil
+}
 
 // Write sends p to the client. Only the handler's goroutine writes (the
 // relay's inline direction), so Write never races with finish.

@@ -28,7 +28,8 @@ func newBuffers() *buffers {
 }
 
 // readableWaiter is a source that can wait for data without holding a
-// buffer (a TCP connection): an idle connection then holds none.
+// buffer (a TCP connection, an HBONE stream): an idle connection then
+// holds none.
 type readableWaiter interface {
 	waitReadable() error
 }
@@ -116,12 +117,11 @@ func relay(ctx context.Context, bufs *buffers, src, dst halfStream, opts relayOp
 		large := false
 		for {
 			if waiter != nil {
-				// Wait for data first, then read it with a large buffer.
+				// Wait for data first: no buffer is held meanwhile.
 				if err := waiter.waitReadable(); err != nil {
 					fail(err)
 					return
 				}
-				large = true
 			}
 			pool := &bufs.small
 			if large {
