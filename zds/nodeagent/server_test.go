@@ -289,9 +289,19 @@ func TestSnapshotWaitsForTheTable(t *testing.T) {
 	derived(wtxn)
 	wtxn.Commit()
 	f.wantServing(z, "uid-a app/a sa=sa-a")
+	// The snapshot follows the add; wait for it, then check the order.
+	want := []string{"add uid-a", "snapshot"}
+	f.eventually("the snapshot", func() error {
+		z.mu.Lock()
+		defer z.mu.Unlock()
+		if len(z.events) < len(want) {
+			return fmt.Errorf("ztunnel saw %q", z.events)
+		}
+		return nil
+	})
 	z.mu.Lock()
 	defer z.mu.Unlock()
-	if want := []string{"add uid-a", "snapshot"}; !slices.Equal(z.events, want) {
+	if !slices.Equal(z.events, want) {
 		t.Errorf("ztunnel saw %q, want %q", z.events, want)
 	}
 }
