@@ -225,19 +225,9 @@ func BenchmarkMTLS(b *testing.B) {
 func liveMemory(b *testing.B, n *bedNode) float64 {
 	b.Helper()
 	for range 2 {
-		var c net.Conn
-		must(b, n.proxyPod.ns.Do(func() (err error) {
-			c, err = net.DialTimeout("tcp", "127.0.0.1:15000", requestTimeout)
-			return err
-		}))
-		c.SetDeadline(time.Now().Add(requestTimeout))
-		fmt.Fprintf(c, "GET /debug/pprof/heap?gc=1 HTTP/1.0\r\nHost: localhost\r\n\r\n")
-		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
-		if err != nil || resp.StatusCode != http.StatusOK {
-			b.Fatalf("%s's proxy heap profile (the collection): %v %v", n.name, resp, err)
+		if code, _, err := getFrom(n.proxyPod.ns, n.adminURL("/debug/pprof/heap?gc=1")); err != nil || code != http.StatusOK {
+			b.Fatalf("%s's proxy heap profile (the collection): %d %v", n.name, code, err)
 		}
-		io.Copy(io.Discard, resp.Body)
-		c.Close()
 	}
 	return n.metric("go_memstats_heap_inuse_bytes") + n.metric("go_memstats_stack_inuse_bytes")
 }

@@ -322,10 +322,14 @@ func (n *bedNode) waitAgent() {
 }
 
 // get fetches a URL from inside the node's namespace.
-func (n *bedNode) get(url string) (int, []byte, error) {
+func (n *bedNode) get(url string) (int, []byte, error) { return getFrom(n.ns, url) }
+
+// getFrom fetches url over a connection made from inside ns (a proxy's
+// admin port listens on its pod's loopback only).
+func getFrom(ns interface{ Do(func() error) error }, url string) (int, []byte, error) {
 	client := http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
 		DialContext: func(ctx context.Context, network, addr string) (c net.Conn, err error) {
-			err = n.ns.Do(func() error {
+			err = ns.Do(func() error {
 				var d net.Dialer
 				c, err = d.DialContext(ctx, network, addr)
 				return err
@@ -359,23 +363,19 @@ func (n *bedNode) waitProxyReady() {
 // inside its pod: the port is on loopback).
 func (n *bedNode) configDump() (proxy.ConfigDump, error) {
 	var d proxy.ConfigDump
-	var c net.Conn
-	err := n.proxyPod.ns.Do(func() (err error) {
-		c, err = net.DialTimeout("tcp", netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), proxy.AdminPort).String(), time.Second)
-		return err
-	})
+	code, body, err := getFrom(n.proxyPod.ns, n.adminURL(proxy.ConfigDumpPath))
+	if err == nil && code != http.StatusOK {
+		err = fmt.Errorf("%s: %d %s", proxy.ConfigDumpPath, code, body)
+	}
 	if err != nil {
 		return d, err
 	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(2 * time.Second))
-	fmt.Fprintf(c, "GET %s HTTP/1.0\r\nHost: localhost\r\n\r\n", proxy.ConfigDumpPath)
-	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
-	if err != nil {
-		return d, err
-	}
-	defer resp.Body.Close()
-	return d, json.NewDecoder(resp.Body).Decode(&d)
+	return d, json.Unmarshal(body, &d)
+}
+
+// adminURL is path on the proxy's admin port, from inside its pod.
+func (n *bedNode) adminURL(path string) string {
+	return "http://" + netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), proxy.AdminPort).String() + path
 }
 
 // metric reads one sample of the proxy's /metrics (port 15020): the sum of

@@ -31,8 +31,8 @@ const (
 	// h2FrameSize is the largest frame each side accepts: HTTP/2's
 	// initial size. What the server announces matters: x/net's client
 	// holds a write buffer of the peer's frame size for each open tunnel,
-	// idle or not (64 KiB frames made an idle tunnel cost 125 KiB instead
-	// of 76 KiB). The client's is the same for symmetry. The first tunnel
+	// idle or not (64 KiB frames cost an idle tunnel 48 KiB more). The
+	// client's is the same for symmetry. The first tunnel
 	// on a connection usually wrote 16 KiB frames anyway: it starts before
 	// the peer's settings arrive.
 	h2FrameSize = 16 << 10

@@ -16,7 +16,7 @@ import (
 // TestStreamsWaitWithoutABuffer: both ends of an HBONE tunnel wait for data
 // with a read of nothing, which returns only once data (then read whole)
 // or the end is there. If x/net's bodies returned from it at once, an idle
-// tunnel's relay would hold a large copy buffer instead of none.
+// tunnel's relay would block in a read holding a copy buffer.
 func TestStreamsWaitWithoutABuffer(t *testing.T) {
 	clientSide, serverSide := net.Pipe()
 	t.Cleanup(func() { clientSide.Close(); serverSide.Close() })
