@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"iter"
 	"log/slog"
+	"os"
 	"slices"
 	"time"
 
@@ -21,9 +22,10 @@ import (
 
 // RulesOps writes redirections into pods' namespaces.
 type RulesOps struct {
-	target  Target
-	cniPods statedb.Table[*tables.CNIPod]
-	log     *slog.Logger
+	target       Target
+	cniPods      statedb.Table[*tables.CNIPod]
+	redirections statedb.Table[*Redirection]
+	log          *slog.Logger
 }
 
 var _ reconciler.Operations[*Redirection] = (*RulesOps)(nil)
@@ -42,34 +44,64 @@ func (o *RulesOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 }
 
 // Delete implements reconciler.Operations: the pod left, or is no longer
-// enrolled. A namespace that is gone is not an error.
-func (o *RulesOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, r *Redirection) error {
+// enrolled. A namespace that is gone is not an error, nor is one that a
+// row of another pod asks for: its path may name another namespace now
+// (/proc/PID/ns/net once the PID is reused).
+func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, r *Redirection) error {
 	if r.Netns == "" {
 		return nil
 	}
+	id, err := o.target.Identify(r.Netns)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("netns %s: %w", r.Netns, err)
+	}
+	wanted, err := o.wanted(o.redirections.All(txn))
+	if err != nil {
+		return err
+	}
+	if pod, ok := wanted[id]; ok {
+		o.log.Info("Leaving the in-pod redirection: its namespace path names another pod's now", "pod", r.Pod, "netns", r.Netns, "other", pod)
+		return nil
+	}
 	o.log.Info("Removing the in-pod redirection", "pod", r.Pod, "netns", r.Netns)
-	return o.target.Remove(r.Netns)
+	return o.target.Remove(r.Netns, id)
 }
 
 // Prune implements reconciler.Operations: every namespace a CNI report of
 // this node names, and no row asks for, loses what it holds of the
 // redirection: pods unenrolled while no agent ran, or all of them once
-// the mode is not inpod. The reconciler prunes only once the inpod table
-// is initialized, which the derivation does after cni-pods is.
+// the mode is not inpod. Namespaces are compared by identity, not path: a
+// stale report's path may name an enrolled pod's namespace now. The
+// reconciler prunes only once the inpod table is initialized, which the
+// derivation does after cni-pods is.
 func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*Redirection, statedb.Revision]) error {
-	want := map[string]bool{}
-	for r := range rows {
-		want[r.Netns] = true
+	wanted, err := o.wanted(rows)
+	if err != nil {
+		return fmt.Errorf("nothing pruned: %w", err)
 	}
 	var paths []string
 	for row := range o.cniPods.All(txn) {
-		if row.Netns != "" && !want[row.Netns] && !slices.Contains(paths, row.Netns) {
+		if row.Netns != "" && !slices.Contains(paths, row.Netns) {
 			paths = append(paths, row.Netns)
 		}
 	}
 	var errs []error
 	for _, path := range paths {
-		present, err := o.target.Present(path)
+		id, err := o.target.Identify(path)
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("netns %s: %w", path, err))
+			continue
+		}
+		if _, ok := wanted[id]; ok {
+			continue
+		}
+		present, err := o.target.Present(path, id)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("netns %s: %w", path, err))
 		}
@@ -77,9 +109,30 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 			continue
 		}
 		o.log.Info("Pruning an in-pod redirection no enrolled pod asks for", "netns", path)
-		errs = append(errs, o.target.Remove(path))
+		errs = append(errs, o.target.Remove(path, id))
 	}
 	return errors.Join(errs...)
+}
+
+// wanted returns the namespaces the rows ask for, with the pod of each.
+// A namespace it cannot identify could be any: an error, and the caller
+// removes nothing.
+func (o *RulesOps) wanted(rows iter.Seq2[*Redirection, statedb.Revision]) (map[NetnsID]string, error) {
+	wanted := map[NetnsID]string{}
+	for r := range rows {
+		if r.Netns == "" {
+			continue
+		}
+		id, err := o.target.Identify(r.Netns)
+		switch {
+		case errors.Is(err, os.ErrNotExist):
+		case err != nil:
+			return nil, fmt.Errorf("netns %s of pod %s: %w", r.Netns, r.Pod, err)
+		default:
+			wanted[id] = r.Pod
+		}
+	}
+	return wanted, nil
 }
 
 type reconcilerParams struct {
@@ -109,7 +162,7 @@ func newReconciler(p reconcilerParams) (reconciler.Reconciler[*Redirection], err
 		(*Redirection).clone,
 		func(r *Redirection, s reconciler.Status) *Redirection { r.Status = s; return r },
 		func(r *Redirection) reconciler.Status { return r.Status },
-		&RulesOps{target: p.Target, cniPods: p.CNIPods, log: p.Log},
+		&RulesOps{target: p.Target, cniPods: p.CNIPods, redirections: p.Redirections, log: p.Log},
 		nil,
 		reconciler.WithName("rules"),
 		reconciler.WithPruning(pruneInterval),

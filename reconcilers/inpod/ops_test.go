@@ -6,13 +6,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/cilium/statedb"
 
+	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -47,10 +52,96 @@ func TestPruneNamesWhatItCannotRead(t *testing.T) {
 // agent's own, and a path that is no network namespace hold nothing of the
 // redirection, and are no error of the prune.
 func TestPresentFindsNothingWhereNothingCanBe(t *testing.T) {
+	target := newNetlinkTarget()
+	if _, err := target.Identify("/run/netns/none-such"); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("identify a namespace that is gone: %v, want one wrapping os.ErrNotExist", err)
+	}
 	for _, path := range []string{"/run/netns/none-such", "/proc/thread-self/ns/net", "/proc/self/ns/uts"} {
-		if present, err := newNetlinkTarget().Present(path); present || err != nil {
+		id, _ := target.Identify(path)
+		if present, err := target.Present(path, id); present || err != nil {
 			t.Errorf("%s: present %v, error %v; want nothing there", path, present, err)
 		}
+	}
+}
+
+// TestStalePathNamesAnotherPod: the path of a CNI report may name another
+// namespace later (/proc/PID/ns/net once the PID is reused; here a symlink
+// pointed elsewhere). Neither the prune nor the removal of the stale pod's
+// row touches the redirection of a pod whose row asks for the namespace
+// the path names now; a namespace no row asks for still loses it. Real
+// namespaces, real rules.
+func TestStalePathNamesAnotherPod(t *testing.T) {
+	netnstest.RequirePrivileged(t)
+	n1, _ := netnstest.NewNodes(t)
+	a, b := n1.AddPod(t, "a"), n1.AddPod(t, "b")
+	pathA, pathB := "/var/run/netns/"+a.NS.Name, "/var/run/netns/"+b.NS.Name
+	stale := filepath.Join(t.TempDir(), "net")
+	pointAt := func(path string) {
+		t.Helper()
+		os.Remove(stale)
+		must(t, os.Symlink(path, stale))
+	}
+	target := newNetlinkTarget()
+	present := func(p *netnstest.Pod) bool {
+		t.Helper()
+		ok, err := rulesPresent(p.Handle)
+		must(t, err)
+		return ok
+	}
+	rowA := &Redirection{Pod: "app/a", Netns: pathA, IPs: []netip.Addr{a.IP4, a.IP6}}
+	must(t, target.Apply(rowA))
+	must(t, target.Apply(&Redirection{Pod: "app/b", Netns: pathB, IPs: []netip.Addr{b.IP4, b.IP6}}))
+
+	db := statedb.New()
+	cniPods, err := tables.NewCNIPodsTable(db)
+	must(t, err)
+	redirections, err := NewRedirectionsTable(db)
+	must(t, err)
+	wtxn := db.WriteTxn(cniPods, redirections)
+	_, _, err = cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: "sandbox-a", Pod: "app/a", Netns: pathA})
+	must(t, err)
+	_, _, err = cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: "sandbox-old", Pod: "app/old", Netns: stale})
+	must(t, err)
+	_, _, err = redirections.Insert(wtxn, rowA)
+	must(t, err)
+	txn := wtxn.Commit()
+	ops := &RulesOps{target: target, cniPods: cniPods, redirections: redirections, log: slog.New(slog.DiscardHandler)}
+	ctx := context.Background()
+	oldRow := &Redirection{Pod: "app/old", Netns: stale}
+
+	pointAt(pathA)
+	must(t, ops.Prune(ctx, txn, redirections.All(txn)))
+	if !present(a) {
+		t.Fatal("the prune removed a's redirection through a stale path that names a's namespace now")
+	}
+	must(t, ops.Delete(ctx, txn, 0, oldRow))
+	if !present(a) {
+		t.Fatal("removing a stale row's redirection removed a's, whose namespace the stale path names now")
+	}
+
+	pointAt(pathB)
+	must(t, ops.Prune(ctx, txn, redirections.All(txn)))
+	if present(b) || !present(a) {
+		t.Fatalf("prune through a stale path naming b's namespace, which no row asks for: b has rules %v (want none), a %v (want them)", present(b), present(a))
+	}
+	must(t, target.Apply(&Redirection{Pod: "app/b", Netns: pathB, IPs: []netip.Addr{b.IP4, b.IP6}}))
+	must(t, ops.Delete(ctx, txn, 0, oldRow))
+	if present(b) {
+		t.Fatal("removing the stale row's redirection left it in the namespace its path names, which no row asks for")
+	}
+
+	// The target checks the namespace it opened: a path that names another
+	// namespace than the one identified (the PID reused in between) is
+	// left alone.
+	idB, err := target.Identify(pathB)
+	must(t, err)
+	pointAt(pathA)
+	if ok, err := target.Present(stale, idB); ok || err != nil {
+		t.Errorf("present through a path that names another namespace now: %v %v, want false", ok, err)
+	}
+	must(t, target.Remove(stale, idB))
+	if !present(a) {
+		t.Error("removal through a path that names another namespace now removed that namespace's redirection")
 	}
 }
 
@@ -63,14 +154,19 @@ type pruneTarget struct {
 	removed    []string
 }
 
-func (p *pruneTarget) Present(path string) (bool, error) {
+// Identify gives each path a namespace of its own.
+func (p *pruneTarget) Identify(path string) (NetnsID, error) {
+	return NetnsID{Ino: uint64(crc32.ChecksumIEEE([]byte(path)))}, nil
+}
+
+func (p *pruneTarget) Present(path string, _ NetnsID) (bool, error) {
 	if path == p.unreadable {
 		return false, errors.New("permission denied")
 	}
 	return p.present[path], nil
 }
 
-func (p *pruneTarget) Remove(path string) error {
+func (p *pruneTarget) Remove(path string, _ NetnsID) error {
 	p.removed = append(p.removed, path)
 	return nil
 }

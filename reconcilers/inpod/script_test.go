@@ -55,7 +55,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	socket := filepath.Join(dir, "ztunnel.sock")
-	target := &fakeTarget{namespaces: map[string][]netip.Addr{}, rules: map[string]bool{}, altered: map[string]bool{}}
+	target := &fakeTarget{namespaces: map[string][]netip.Addr{}, ids: map[string]uint64{}, aliases: map[string]string{}, rules: map[string]bool{}, altered: map[string]bool{}}
 	var modes steering.Modes
 	var db *statedb.DB
 	h := hive.New(
@@ -129,12 +129,24 @@ func (noL2) Tables() []statedb.TableMeta             { return nil }
 
 // fakeTarget is pods' namespaces in memory: their addresses, and whether
 // the redirection is in them. Open hands the test's own namespace, a real
-// one, as ztunnel checks.
+// one, as ztunnel checks. A path may be made to name another path's
+// namespace (a /proc/PID/ns/net path whose PID was reused).
 type fakeTarget struct {
 	mu         sync.Mutex
 	namespaces map[string][]netip.Addr
+	ids        map[string]uint64 // never reused, as inode numbers of live namespaces
+	lastID     uint64
+	aliases    map[string]string
 	rules      map[string]bool
 	altered    map[string]bool
+}
+
+// resolve returns the path under which the namespace path names is kept.
+func (f *fakeTarget) resolve(path string) string {
+	if to, ok := f.aliases[path]; ok {
+		return to
+	}
+	return path
 }
 
 var _ inpod.Target = (*fakeTarget)(nil)
@@ -142,7 +154,8 @@ var _ inpod.Target = (*fakeTarget)(nil)
 func (f *fakeTarget) Apply(r *inpod.Redirection) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	addrs, ok := f.namespaces[r.Netns]
+	path := f.resolve(r.Netns)
+	addrs, ok := f.namespaces[path]
 	if !ok {
 		return fmt.Errorf("open %s: %w", r.Netns, os.ErrNotExist)
 	}
@@ -151,27 +164,41 @@ func (f *fakeTarget) Apply(r *inpod.Redirection) error {
 			return fmt.Errorf("%w: %s does not hold %s", inpod.ErrWrongNetns, r.Netns, ip)
 		}
 	}
-	f.rules[r.Netns] = true
-	delete(f.altered, r.Netns)
+	f.rules[path] = true
+	delete(f.altered, path)
 	return nil
 }
 
-func (f *fakeTarget) Remove(path string) error {
+func (f *fakeTarget) Identify(path string) (inpod.NetnsID, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	delete(f.rules, path)
+	id, ok := f.ids[f.resolve(path)]
+	if !ok {
+		return inpod.NetnsID{}, fmt.Errorf("stat %s: %w", path, os.ErrNotExist)
+	}
+	return inpod.NetnsID{Ino: id}, nil
+}
+
+func (f *fakeTarget) Remove(path string, id inpod.NetnsID) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if path = f.resolve(path); f.ids[path] == id.Ino {
+		delete(f.rules, path)
+	}
 	return nil
 }
 
-func (f *fakeTarget) Present(path string) (bool, error) {
+func (f *fakeTarget) Present(path string, id inpod.NetnsID) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.rules[path], nil
+	path = f.resolve(path)
+	return f.ids[path] == id.Ino && f.rules[path], nil
 }
 
 func (f *fakeTarget) Check(path string, ips []netip.Addr) ([]string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	path = f.resolve(path)
 	if _, ok := f.namespaces[path]; !ok {
 		return nil, fmt.Errorf("open %s: %w", path, os.ErrNotExist)
 	}
@@ -208,12 +235,28 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 				f.mu.Lock()
 				defer f.mu.Unlock()
 				f.namespaces[args[0]] = addrs
+				if _, ok := f.ids[args[0]]; !ok {
+					f.lastID++
+					f.ids[args[0]] = f.lastID
+				}
 				return nil, nil
 			}),
 		"netns/del": f.pathCommand("the namespace at PATH goes (the sandbox died)", func(path string) {
 			delete(f.namespaces, path)
+			delete(f.ids, path)
 			delete(f.rules, path)
 		}),
+		"netns/alias": script.Command(
+			script.CmdUsage{Summary: "PATH names the namespace at OTHER now (its PID was reused)", Args: "path other"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) != 2 {
+					return nil, script.ErrUsage
+				}
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				f.aliases[args[0]] = args[1]
+				return nil, nil
+			}),
 		"netns/alter": f.pathCommand("someone deletes a rule of the redirection in PATH", func(path string) {
 			f.altered[path] = true
 		}),

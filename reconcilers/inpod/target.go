@@ -4,10 +4,12 @@ package inpod
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 
 	"github.com/mtlsbridge/mtlsbridge/zds"
 )
@@ -19,13 +21,18 @@ type Target interface {
 	// Apply writes the redirection of r into its namespace, which must
 	// hold r.IPs.
 	Apply(r *Redirection) error
-	// Remove deletes the redirection from the namespace at path; a
-	// namespace that is gone, or that is the node's, is left alone.
-	Remove(path string) error
+	// Identify tells which namespace path names now. A path may name
+	// another namespace later: /proc/PID/ns/net once the PID is reused.
+	// Possible errors: one wrapping os.ErrNotExist when it is gone.
+	Identify(path string) (NetnsID, error)
+	// Remove deletes the redirection from the namespace id, at path; a
+	// namespace that is gone (path names another now), or that is the
+	// node's, is left alone.
+	Remove(path string, id NetnsID) error
 	// Present tells whether anything of the redirection is in the
-	// namespace at path; false, without an error, when the namespace is
-	// gone, is the node's, or the path is no network namespace.
-	Present(path string) (bool, error)
+	// namespace id, at path; false, without an error, when the namespace
+	// is gone, is the node's, or the path is no network namespace.
+	Present(path string, id NetnsID) (bool, error)
 	// Check reads the namespace now and returns how it differs from what
 	// Apply writes for ips, and which of ztunnel's listeners are missing.
 	Check(path string, ips []netip.Addr) ([]string, error)
@@ -43,17 +50,36 @@ func (netlinkTarget) Apply(r *Redirection) error {
 	return inPodNetns(r.Netns, r.IPs, func(h netns.NsHandle) error { return applyRules(h, familiesOf(r.IPs)) })
 }
 
-func (netlinkTarget) Remove(path string) error {
-	err := inPodNetns(path, nil, removeRules)
+// NetnsID identifies a network namespace, whatever path names it.
+type NetnsID struct{ Dev, Ino uint64 }
+
+func (netlinkTarget) Identify(path string) (NetnsID, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return NetnsID{}, &os.PathError{Op: "stat", Path: path, Err: err}
+	}
+	return NetnsID{Dev: st.Dev, Ino: st.Ino}, nil
+}
+
+func (netlinkTarget) Remove(path string, id NetnsID) error {
+	err := inPodNetns(path, nil, func(h netns.NsHandle) error {
+		if err := isNetns(h, path, id); err != nil {
+			return err
+		}
+		return removeRules(h)
+	})
 	if errors.Is(err, os.ErrNotExist) || errors.Is(err, ErrNodeNetns) {
 		return nil
 	}
 	return err
 }
 
-func (netlinkTarget) Present(path string) (bool, error) {
+func (netlinkTarget) Present(path string, id NetnsID) (bool, error) {
 	present := false
 	err := inPodNetns(path, nil, func(h netns.NsHandle) (err error) {
+		if err := isNetns(h, path, id); err != nil {
+			return err
+		}
 		present, err = rulesPresent(h)
 		return err
 	})
@@ -79,4 +105,17 @@ func (netlinkTarget) Check(path string, ips []netip.Addr) ([]string, error) {
 
 func (netlinkTarget) Open(path string, ips []netip.Addr) (*os.File, error) {
 	return openPodNetns(path, ips)
+}
+
+// isNetns checks that the namespace opened at path is still id: if not,
+// the namespace that was there is gone.
+func isNetns(h netns.NsHandle, path string, id NetnsID) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(h), &st); err != nil {
+		return err
+	}
+	if st.Dev != id.Dev || st.Ino != id.Ino {
+		return fmt.Errorf("%s names another namespace now: %w", path, os.ErrNotExist)
+	}
+	return nil
 }
