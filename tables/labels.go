@@ -8,6 +8,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"unique"
 
 	"github.com/cilium/statedb/index"
 	"github.com/cilium/statedb/reconciler"
@@ -57,6 +58,10 @@ func NewLabels(m map[string]string) Labels {
 	}
 	return Labels{flat: b.String()}
 }
+
+// Interned returns labels whose text is the one copy that equal labels
+// share (see the conversion of pods: replicas have equal labels).
+func (l Labels) Interned() Labels { return Labels{flat: unique.Make(l.flat).Value()} }
 
 // Lookup returns the value of a label and whether it is set.
 func (l Labels) Lookup(key string) (string, bool) {

@@ -1,0 +1,69 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package ingest
+
+import (
+	"encoding/json"
+	"testing"
+	"unique"
+	"unsafe"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
+// TestPodsShareTheirCommonStrings: two replicas decoded one by one (each
+// with copies of its own, as client-go decodes them) share, once
+// converted, the text of their namespace, node, service account, phase
+// and labels; each keeps its own name.
+func TestPodsShareTheirCommonStrings(t *testing.T) {
+	replica := func(name string) *corev1.Pod {
+		var pod corev1.Pod
+		wire := `{"metadata": {"namespace": "team-1", "name": "` + name + `", "labels": {"app": "web", "pod-template-hash": "7d9f8b6c5"}},
+			"spec": {"nodeName": "ip-10-0-1-23.ec2.internal", "serviceAccountName": "web"}, "status": {"phase": "Running"}}`
+		if err := json.Unmarshal([]byte(wire), &pod); err != nil {
+			t.Fatal(err)
+		}
+		return &pod
+	}
+	// Held, so that a garbage collection in between cannot make the
+	// runtime forget the shared copy (interning keeps no handle).
+	held := []unique.Handle[string]{unique.Make("team-1"), unique.Make("ip-10-0-1-23.ec2.internal"), unique.Make("web"), unique.Make("Running"),
+		unique.Make("app\x00web\x00pod-template-hash\x007d9f8b6c5")}
+	apiA, apiB := replica("web-7d9f8b6c5-aaaaa"), replica("web-7d9f8b6c5-bbbbb")
+	a, err := podFromK8s(apiA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := podFromK8s(apiB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	same := func(x, y string) bool { return unsafe.StringData(x) == unsafe.StringData(y) }
+	for _, f := range []struct {
+		field string
+		a, b  string
+	}{
+		{"namespace", a.Namespace, b.Namespace},
+		{"node", a.NodeName, b.NodeName},
+		{"service account", a.ServiceAccount, b.ServiceAccount},
+		{"phase", a.Phase, b.Phase},
+		{"labels", labelsText(&a.Labels), labelsText(&b.Labels)},
+	} {
+		if f.a != f.b || !same(f.a, f.b) {
+			t.Errorf("%s: %q and %q are separate copies, want one shared", f.field, f.a, f.b)
+		}
+	}
+	if same(apiA.Namespace, apiB.Namespace) {
+		t.Fatal("the decoder shared the namespace itself: the test shows nothing")
+	}
+	if same(a.Name, b.Name) {
+		t.Error("names shared")
+	}
+	_ = held
+}
+
+// labelsText is the text Labels keeps (its one field), which String
+// renders anew.
+func labelsText(l *tables.Labels) string { return *(*string)(unsafe.Pointer(l)) }
