@@ -58,11 +58,8 @@ func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 	if err != nil {
 		return fmt.Errorf("netns %s: %w", r.Netns, err)
 	}
-	wanted, err := o.wanted(o.redirections.All(txn))
-	if err != nil {
-		return err
-	}
-	if pod, ok := wanted[id]; ok {
+	// Errors of rows it cannot identify are the prune's to report.
+	if pod, ok := o.wanted(o.redirections.All(txn)).ids[id]; ok {
 		o.log.Info("Leaving the in-pod redirection: its namespace path names another pod's now", "pod", r.Pod, "netns", r.Netns, "other", pod)
 		return nil
 	}
@@ -78,18 +75,18 @@ func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 // reconciler prunes only once the inpod table is initialized, which the
 // derivation does after cni-pods is.
 func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*Redirection, statedb.Revision]) error {
-	wanted, err := o.wanted(rows)
-	if err != nil {
-		return fmt.Errorf("nothing pruned: %w", err)
-	}
+	wanted := o.wanted(rows)
 	var paths []string
 	for row := range o.cniPods.All(txn) {
 		if row.Netns != "" && !slices.Contains(paths, row.Netns) {
 			paths = append(paths, row.Netns)
 		}
 	}
-	var errs []error
+	errs := wanted.errs
 	for _, path := range paths {
+		if wanted.unidentified[path] {
+			continue // its error is in errs
+		}
 		id, err := o.target.Identify(path)
 		if errors.Is(err, os.ErrNotExist) {
 			continue
@@ -98,7 +95,7 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 			errs = append(errs, fmt.Errorf("netns %s: %w", path, err))
 			continue
 		}
-		if _, ok := wanted[id]; ok {
+		if _, ok := wanted.ids[id]; ok {
 			continue
 		}
 		present, err := o.target.Present(path, id)
@@ -114,11 +111,18 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	return errors.Join(errs...)
 }
 
-// wanted returns the namespaces the rows ask for, with the pod of each.
-// A namespace it cannot identify could be any: an error, and the caller
-// removes nothing.
-func (o *RulesOps) wanted(rows iter.Seq2[*Redirection, statedb.Revision]) (map[NetnsID]string, error) {
-	wanted := map[NetnsID]string{}
+// wantedNetns is what the rows ask for: namespaces by identity, each with
+// its pod. A row whose path the agent cannot identify now (stat fails)
+// has an error in errs, and its path in unidentified; that path fails as
+// a candidate of the prune or a removal too, so nothing is removed there.
+type wantedNetns struct {
+	ids          map[NetnsID]string
+	unidentified map[string]bool
+	errs         []error
+}
+
+func (o *RulesOps) wanted(rows iter.Seq2[*Redirection, statedb.Revision]) wantedNetns {
+	w := wantedNetns{ids: map[NetnsID]string{}, unidentified: map[string]bool{}}
 	for r := range rows {
 		if r.Netns == "" {
 			continue
@@ -127,12 +131,13 @@ func (o *RulesOps) wanted(rows iter.Seq2[*Redirection, statedb.Revision]) (map[N
 		switch {
 		case errors.Is(err, os.ErrNotExist):
 		case err != nil:
-			return nil, fmt.Errorf("netns %s of pod %s: %w", r.Netns, r.Pod, err)
+			w.unidentified[r.Netns] = true
+			w.errs = append(w.errs, fmt.Errorf("netns %s of pod %s: %w", r.Netns, r.Pod, err))
 		default:
-			wanted[id] = r.Pod
+			w.ids[id] = r.Pod
 		}
 	}
-	return wanted, nil
+	return w
 }
 
 type reconcilerParams struct {

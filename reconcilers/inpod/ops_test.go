@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -26,25 +27,41 @@ import (
 // errors) instead of being passed over in silence; the other namespaces
 // are pruned all the same.
 func TestPruneNamesWhatItCannotRead(t *testing.T) {
-	db := statedb.New()
-	cniPods, err := tables.NewCNIPodsTable(db)
-	must(t, err)
-	wtxn := db.WriteTxn(cniPods)
-	for i, path := range []string{"/run/netns/stale", "/run/netns/unreadable", "/run/netns/clean"} {
-		_, _, err := cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: fmt.Sprint("sandbox-", i), Pod: fmt.Sprint("app/p", i), Netns: path})
-		must(t, err)
-	}
-	txn := wtxn.Commit()
-
-	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true}, unreadable: "/run/netns/unreadable"}
-	ops := &RulesOps{target: target, cniPods: cniPods, log: slog.New(slog.DiscardHandler)}
-	noRows := func(func(*Redirection, statedb.Revision) bool) {}
-	err = ops.Prune(context.Background(), txn, noRows)
+	ops, txn, target := pruneWorld(t, []string{"/run/netns/stale", "/run/netns/unreadable", "/run/netns/clean"})
+	target.present = map[string]bool{"/run/netns/stale": true, "/run/netns/clean": false}
+	target.unreadable = "/run/netns/unreadable"
+	err := ops.Prune(context.Background(), txn, ops.redirections.All(txn))
 	if err == nil || !strings.Contains(err.Error(), "netns /run/netns/unreadable: permission denied") {
 		t.Errorf("prune error %v, want one naming the unreadable namespace", err)
 	}
 	if !slices.Equal(target.removed, []string{"/run/netns/stale"}) {
 		t.Errorf("removed %v, want the stale namespace's redirection only", target.removed)
+	}
+}
+
+// TestRowsTheAgentCannotIdentify: a row whose namespace path the agent
+// cannot read (stat fails) is named in the prune's error, once, and its
+// path is left alone; the rest is pruned, and other pods' rows are
+// removed, all the same. A removal whose namespace is gone does nothing,
+// without error.
+func TestRowsTheAgentCannotIdentify(t *testing.T) {
+	x := &Redirection{Pod: "app/x", Netns: "/proc/77/ns/net"}
+	ops, txn, target := pruneWorld(t, []string{x.Netns, "/run/netns/stale"}, x)
+	target.present = map[string]bool{"/run/netns/stale": true, "/run/netns/y": true}
+	target.unidentified = x.Netns
+	ctx := context.Background()
+	err := ops.Prune(ctx, txn, ops.redirections.All(txn))
+	if err == nil || err.Error() != "netns /proc/77/ns/net of pod app/x: permission denied" {
+		t.Errorf("prune error %v, want one naming the row it cannot identify, once", err)
+	}
+	if !slices.Equal(target.removed, []string{"/run/netns/stale"}) {
+		t.Fatalf("prune removed %v, want the stale namespace's redirection only", target.removed)
+	}
+	target.removed = nil
+	must(t, ops.Delete(ctx, txn, 0, &Redirection{Pod: "app/y", Netns: "/run/netns/y"}))
+	must(t, ops.Delete(ctx, txn, 0, &Redirection{Pod: "app/gone", Netns: "/run/netns/gone"}))
+	if !slices.Equal(target.removed, []string{"/run/netns/y"}) {
+		t.Errorf("removed %v, want y's redirection only (gone's namespace is gone)", target.removed)
 	}
 }
 
@@ -82,6 +99,21 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 		must(t, os.Symlink(path, stale))
 	}
 	target := newNetlinkTarget()
+	// A process's /proc/PID/ns/net, the path cri-dockerd reports, and the
+	// bind mount of /var/run/netns name one namespace alike.
+	var sleeper *exec.Cmd
+	must(t, a.Do(func() error {
+		sleeper = exec.Command("sleep", "60")
+		return sleeper.Start()
+	}))
+	t.Cleanup(func() { sleeper.Process.Kill(); sleeper.Wait() })
+	byMount, err := target.Identify(pathA)
+	must(t, err)
+	byPID, err := target.Identify(fmt.Sprintf("/proc/%d/ns/net", sleeper.Process.Pid))
+	must(t, err)
+	if byMount != byPID {
+		t.Fatalf("a's namespace: %v by its mount, %v by a process in it", byMount, byPID)
+	}
 	present := func(p *netnstest.Pod) bool {
 		t.Helper()
 		ok, err := rulesPresent(p.Handle)
@@ -145,17 +177,24 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	}
 }
 
-// pruneTarget answers Present from a map, fails it for one path, and
-// records Remove; the prune calls nothing else.
+// pruneTarget is namespaces by path, each its own (or none: gone), a
+// path Identify cannot read, and a path Present cannot read; it records
+// Remove. The prune and Delete call nothing else.
 type pruneTarget struct {
 	Target
-	present    map[string]bool
-	unreadable string
-	removed    []string
+	present      map[string]bool
+	unidentified string
+	unreadable   string
+	removed      []string
 }
 
-// Identify gives each path a namespace of its own.
 func (p *pruneTarget) Identify(path string) (NetnsID, error) {
+	switch _, exists := p.present[path]; {
+	case path == p.unidentified:
+		return NetnsID{}, errors.New("permission denied")
+	case !exists && path != p.unreadable:
+		return NetnsID{}, os.ErrNotExist
+	}
 	return NetnsID{Ino: uint64(crc32.ChecksumIEEE([]byte(path)))}, nil
 }
 
@@ -169,4 +208,24 @@ func (p *pruneTarget) Present(path string, _ NetnsID) (bool, error) {
 func (p *pruneTarget) Remove(path string, _ NetnsID) error {
 	p.removed = append(p.removed, path)
 	return nil
+}
+
+// pruneWorld is what RulesOps reads: CNI reports of paths, and rows.
+func pruneWorld(t *testing.T, reported []string, rows ...*Redirection) (*RulesOps, statedb.ReadTxn, *pruneTarget) {
+	db := statedb.New()
+	cniPods, err := tables.NewCNIPodsTable(db)
+	must(t, err)
+	redirections, err := NewRedirectionsTable(db)
+	must(t, err)
+	wtxn := db.WriteTxn(cniPods, redirections)
+	for i, path := range reported {
+		_, _, err := cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: fmt.Sprint("sandbox-", i), Pod: fmt.Sprint("app/p", i), Netns: path})
+		must(t, err)
+	}
+	for _, r := range rows {
+		_, _, err := redirections.Insert(wtxn, r)
+		must(t, err)
+	}
+	target := &pruneTarget{}
+	return &RulesOps{target: target, cniPods: cniPods, redirections: redirections, log: slog.New(slog.DiscardHandler)}, wtxn.Commit(), target
 }

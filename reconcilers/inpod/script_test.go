@@ -134,7 +134,7 @@ func (noL2) Tables() []statedb.TableMeta             { return nil }
 type fakeTarget struct {
 	mu         sync.Mutex
 	namespaces map[string][]netip.Addr
-	ids        map[string]uint64 // never reused, as inode numbers of live namespaces
+	ids        map[string]uint64 // never reused (the kernel reuses those of namespaces gone)
 	lastID     uint64
 	aliases    map[string]string
 	rules      map[string]bool
@@ -214,7 +214,7 @@ func (f *fakeTarget) Check(path string, ips []netip.Addr) ([]string, error) {
 func (f *fakeTarget) Open(path string, ips []netip.Addr) (*os.File, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if _, ok := f.namespaces[path]; !ok {
+	if _, ok := f.namespaces[f.resolve(path)]; !ok {
 		return nil, fmt.Errorf("open %s: %w", path, os.ErrNotExist)
 	}
 	return os.Open("/proc/self/ns/net")

@@ -61,20 +61,11 @@ var (
 		FromString: index.FromString,
 		Unique:     true,
 	}
-	redirectionNetnsIndex = statedb.Index[*Redirection, string]{
-		Name:       "netns",
-		FromObject: func(r *Redirection) index.KeySet { return index.NewKeySet(tables.ExactKey(r.Netns)) },
-		FromKey:    tables.ExactKey,
-		FromString: tables.ExactKeyFromString,
-	}
-
 	// RedirectionByPod queries the row of a pod ("namespace/name").
 	RedirectionByPod = redirectionPodIndex.Query
-	// RedirectionsByNetns queries the rows of a namespace path.
-	RedirectionsByNetns = redirectionNetnsIndex.Query
 )
 
 // NewRedirectionsTable creates the inpod table.
 func NewRedirectionsTable(db *statedb.DB) (statedb.RWTable[*Redirection], error) {
-	return statedb.NewTable(db, TableName, redirectionPodIndex, redirectionNetnsIndex)
+	return statedb.NewTable(db, TableName, redirectionPodIndex)
 }

@@ -41,6 +41,11 @@ type Target interface {
 	Open(path string, ips []netip.Addr) (*os.File, error)
 }
 
+// NetnsID identifies a network namespace, whatever path names it: its
+// device and inode. Unique among live namespaces only (the kernel reuses
+// inode numbers), so it is never kept beyond one operation.
+type NetnsID struct{ Dev, Ino uint64 }
+
 // netlinkTarget writes into the real namespaces.
 type netlinkTarget struct{}
 
@@ -50,20 +55,23 @@ func (netlinkTarget) Apply(r *Redirection) error {
 	return inPodNetns(r.Netns, r.IPs, func(h netns.NsHandle) error { return applyRules(h, familiesOf(r.IPs)) })
 }
 
-// NetnsID identifies a network namespace, whatever path names it.
-type NetnsID struct{ Dev, Ino uint64 }
-
 func (netlinkTarget) Identify(path string) (NetnsID, error) {
 	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
+	err := unix.Stat(path, &st)
+	switch {
+	case err == nil:
+		return NetnsID{Dev: st.Dev, Ino: st.Ino}, nil
+	case errors.Is(err, unix.ENOTDIR), errors.Is(err, unix.ENAMETOOLONG), errors.Is(err, unix.ELOOP):
+		// A path that can name nothing names no namespace either.
+		return NetnsID{}, fmt.Errorf("stat %s: %v: %w", path, err, os.ErrNotExist)
+	default:
 		return NetnsID{}, &os.PathError{Op: "stat", Path: path, Err: err}
 	}
-	return NetnsID{Dev: st.Dev, Ino: st.Ino}, nil
 }
 
 func (netlinkTarget) Remove(path string, id NetnsID) error {
 	err := inPodNetns(path, nil, func(h netns.NsHandle) error {
-		if err := isNetns(h, path, id); err != nil {
+		if err := sameNetns(h, path, id); err != nil {
 			return err
 		}
 		return removeRules(h)
@@ -77,7 +85,7 @@ func (netlinkTarget) Remove(path string, id NetnsID) error {
 func (netlinkTarget) Present(path string, id NetnsID) (bool, error) {
 	present := false
 	err := inPodNetns(path, nil, func(h netns.NsHandle) (err error) {
-		if err := isNetns(h, path, id); err != nil {
+		if err := sameNetns(h, path, id); err != nil {
 			return err
 		}
 		present, err = rulesPresent(h)
@@ -107,9 +115,9 @@ func (netlinkTarget) Open(path string, ips []netip.Addr) (*os.File, error) {
 	return openPodNetns(path, ips)
 }
 
-// isNetns checks that the namespace opened at path is still id: if not,
+// sameNetns checks that the namespace opened at path is still id: if not,
 // the namespace that was there is gone.
-func isNetns(h netns.NsHandle, path string, id NetnsID) error {
+func sameNetns(h netns.NsHandle, path string, id NetnsID) error {
 	var st unix.Stat_t
 	if err := unix.Fstat(int(h), &st); err != nil {
 		return err
