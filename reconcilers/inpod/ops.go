@@ -26,6 +26,15 @@ type RulesOps struct {
 	cniPods      statedb.Table[*tables.CNIPod]
 	redirections statedb.Table[*Redirection]
 	log          *slog.Logger
+	// written is the namespace each pod's redirection was last written
+	// into, checked to hold the pod's addresses: a row still asks for it
+	// while its path names nothing (a /proc/PID path whose process died
+	// while the namespace lives on). Kept until the row goes, failed
+	// updates too: should that namespace die and its inode number be
+	// reused, the one protected may keep a redirection it should lose
+	// (connections refused), never lose one it needs. Only the
+	// reconciler's loop uses it.
+	written map[string]NetnsID
 }
 
 var _ reconciler.Operations[*Redirection] = (*RulesOps)(nil)
@@ -37,9 +46,14 @@ func (o *RulesOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 	if r.Problem != "" {
 		return errors.New(r.Problem)
 	}
-	if err := o.target.Apply(r); err != nil {
+	id, err := o.target.Apply(r)
+	if err != nil {
 		return fmt.Errorf("netns %s: %w", r.Netns, err)
 	}
+	if o.written == nil {
+		o.written = map[string]NetnsID{}
+	}
+	o.written[r.Pod] = id
 	return nil
 }
 
@@ -48,6 +62,7 @@ func (o *RulesOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 // row of another pod asks for: its path may name another namespace now
 // (/proc/PID/ns/net once the PID is reused).
 func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, r *Redirection) error {
+	delete(o.written, r.Pod)
 	if r.Netns == "" {
 		return nil
 	}
@@ -111,8 +126,9 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	return errors.Join(errs...)
 }
 
-// wantedNetns is what the rows ask for: namespaces by identity, each with
-// its pod. A row whose path the agent cannot identify now (stat fails)
+// wantedNetns is what the rows ask for: namespaces by identity (what
+// their paths name now, and where their redirection was written), each
+// with its pod. A row whose path the agent cannot identify now (stat fails)
 // has an error in errs, and its path in unidentified; that path fails as
 // a candidate of the prune or a removal too, so nothing is removed there.
 type wantedNetns struct {
@@ -124,6 +140,9 @@ type wantedNetns struct {
 func (o *RulesOps) wanted(rows iter.Seq2[*Redirection, statedb.Revision]) wantedNetns {
 	w := wantedNetns{ids: map[NetnsID]string{}, unidentified: map[string]bool{}}
 	for r := range rows {
+		if id, ok := o.written[r.Pod]; ok {
+			w.ids[id] = r.Pod
+		}
 		if r.Netns == "" {
 			continue
 		}

@@ -27,9 +27,8 @@ import (
 // errors) instead of being passed over in silence; the other namespaces
 // are pruned all the same.
 func TestPruneNamesWhatItCannotRead(t *testing.T) {
-	ops, txn, target := pruneWorld(t, []string{"/run/netns/stale", "/run/netns/unreadable", "/run/netns/clean"})
-	target.present = map[string]bool{"/run/netns/stale": true, "/run/netns/clean": false}
-	target.unreadable = "/run/netns/unreadable"
+	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/clean": false}, unreadable: "/run/netns/unreadable"}
+	ops, txn := pruneWorld(t, target, []string{"/run/netns/stale", "/run/netns/unreadable", "/run/netns/clean"})
 	err := ops.Prune(context.Background(), txn, ops.redirections.All(txn))
 	if err == nil || !strings.Contains(err.Error(), "netns /run/netns/unreadable: permission denied") {
 		t.Errorf("prune error %v, want one naming the unreadable namespace", err)
@@ -46,9 +45,8 @@ func TestPruneNamesWhatItCannotRead(t *testing.T) {
 // without error.
 func TestRowsTheAgentCannotIdentify(t *testing.T) {
 	x := &Redirection{Pod: "app/x", Netns: "/proc/77/ns/net"}
-	ops, txn, target := pruneWorld(t, []string{x.Netns, "/run/netns/stale"}, x)
-	target.present = map[string]bool{"/run/netns/stale": true, "/run/netns/y": true}
-	target.unidentified = x.Netns
+	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/y": true}, unidentified: x.Netns}
+	ops, txn := pruneWorld(t, target, []string{x.Netns, "/run/netns/stale"}, x)
 	ctx := context.Background()
 	err := ops.Prune(ctx, txn, ops.redirections.All(txn))
 	if err == nil || err.Error() != "netns /proc/77/ns/net of pod app/x: permission denied" {
@@ -121,28 +119,20 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 		return ok
 	}
 	rowA := &Redirection{Pod: "app/a", Netns: pathA, IPs: []netip.Addr{a.IP4, a.IP6}}
-	must(t, target.Apply(rowA))
-	must(t, target.Apply(&Redirection{Pod: "app/b", Netns: pathB, IPs: []netip.Addr{b.IP4, b.IP6}}))
+	apply := func(r *Redirection) {
+		t.Helper()
+		_, err := target.Apply(r)
+		must(t, err)
+	}
+	apply(rowA)
+	apply(&Redirection{Pod: "app/b", Netns: pathB, IPs: []netip.Addr{b.IP4, b.IP6}})
 
-	db := statedb.New()
-	cniPods, err := tables.NewCNIPodsTable(db)
-	must(t, err)
-	redirections, err := NewRedirectionsTable(db)
-	must(t, err)
-	wtxn := db.WriteTxn(cniPods, redirections)
-	_, _, err = cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: "sandbox-a", Pod: "app/a", Netns: pathA})
-	must(t, err)
-	_, _, err = cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: "sandbox-old", Pod: "app/old", Netns: stale})
-	must(t, err)
-	_, _, err = redirections.Insert(wtxn, rowA)
-	must(t, err)
-	txn := wtxn.Commit()
-	ops := &RulesOps{target: target, cniPods: cniPods, redirections: redirections, log: slog.New(slog.DiscardHandler)}
+	ops, txn := pruneWorld(t, target, []string{pathA, stale}, rowA)
 	ctx := context.Background()
 	oldRow := &Redirection{Pod: "app/old", Netns: stale}
 
 	pointAt(pathA)
-	must(t, ops.Prune(ctx, txn, redirections.All(txn)))
+	must(t, ops.Prune(ctx, txn, ops.redirections.All(txn)))
 	if !present(a) {
 		t.Fatal("the prune removed a's redirection through a stale path that names a's namespace now")
 	}
@@ -152,11 +142,11 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	}
 
 	pointAt(pathB)
-	must(t, ops.Prune(ctx, txn, redirections.All(txn)))
+	must(t, ops.Prune(ctx, txn, ops.redirections.All(txn)))
 	if present(b) || !present(a) {
 		t.Fatalf("prune through a stale path naming b's namespace, which no row asks for: b has rules %v (want none), a %v (want them)", present(b), present(a))
 	}
-	must(t, target.Apply(&Redirection{Pod: "app/b", Netns: pathB, IPs: []netip.Addr{b.IP4, b.IP6}}))
+	apply(&Redirection{Pod: "app/b", Netns: pathB, IPs: []netip.Addr{b.IP4, b.IP6}})
 	must(t, ops.Delete(ctx, txn, 0, oldRow))
 	if present(b) {
 		t.Fatal("removing the stale row's redirection left it in the namespace its path names, which no row asks for")
@@ -174,6 +164,20 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	must(t, target.Remove(stale, idB))
 	if !present(a) {
 		t.Error("removal through a path that names another namespace now removed that namespace's redirection")
+	}
+
+	// A row whose path names nothing now (the process it named died, the
+	// namespace lives on) still asks for the namespace its redirection was
+	// written into.
+	own := filepath.Join(t.TempDir(), "own")
+	must(t, os.Symlink(pathA, own))
+	rowOwn := &Redirection{Pod: "app/a", Netns: own, IPs: []netip.Addr{a.IP4, a.IP6}}
+	ops, txn = pruneWorld(t, target, []string{own, stale}, rowOwn)
+	must(t, ops.Update(ctx, txn, 0, rowOwn))
+	must(t, os.Remove(own))
+	must(t, ops.Prune(ctx, txn, ops.redirections.All(txn)))
+	if !present(a) {
+		t.Error("the prune removed a's redirection through a stale path while a's own path names nothing")
 	}
 }
 
@@ -211,7 +215,7 @@ func (p *pruneTarget) Remove(path string, _ NetnsID) error {
 }
 
 // pruneWorld is what RulesOps reads: CNI reports of paths, and rows.
-func pruneWorld(t *testing.T, reported []string, rows ...*Redirection) (*RulesOps, statedb.ReadTxn, *pruneTarget) {
+func pruneWorld(t *testing.T, target Target, reported []string, rows ...*Redirection) (*RulesOps, statedb.ReadTxn) {
 	db := statedb.New()
 	cniPods, err := tables.NewCNIPodsTable(db)
 	must(t, err)
@@ -226,6 +230,5 @@ func pruneWorld(t *testing.T, reported []string, rows ...*Redirection) (*RulesOp
 		_, _, err := redirections.Insert(wtxn, r)
 		must(t, err)
 	}
-	target := &pruneTarget{}
-	return &RulesOps{target: target, cniPods: cniPods, redirections: redirections, log: slog.New(slog.DiscardHandler)}, wtxn.Commit(), target
+	return &RulesOps{target: target, cniPods: cniPods, redirections: redirections, log: slog.New(slog.DiscardHandler)}, wtxn.Commit()
 }

@@ -151,22 +151,22 @@ func (f *fakeTarget) resolve(path string) string {
 
 var _ inpod.Target = (*fakeTarget)(nil)
 
-func (f *fakeTarget) Apply(r *inpod.Redirection) error {
+func (f *fakeTarget) Apply(r *inpod.Redirection) (inpod.NetnsID, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	path := f.resolve(r.Netns)
 	addrs, ok := f.namespaces[path]
 	if !ok {
-		return fmt.Errorf("open %s: %w", r.Netns, os.ErrNotExist)
+		return inpod.NetnsID{}, fmt.Errorf("open %s: %w", r.Netns, os.ErrNotExist)
 	}
 	for _, ip := range r.IPs {
 		if !slices.Contains(addrs, ip) {
-			return fmt.Errorf("%w: %s does not hold %s", inpod.ErrWrongNetns, r.Netns, ip)
+			return inpod.NetnsID{}, fmt.Errorf("%w: %s does not hold %s", inpod.ErrWrongNetns, r.Netns, ip)
 		}
 	}
 	f.rules[path] = true
 	delete(f.altered, path)
-	return nil
+	return inpod.NetnsID{Ino: f.ids[path]}, nil
 }
 
 func (f *fakeTarget) Identify(path string) (inpod.NetnsID, error) {

@@ -19,8 +19,8 @@ import (
 // derivation and of ZDS provide another.
 type Target interface {
 	// Apply writes the redirection of r into its namespace, which must
-	// hold r.IPs.
-	Apply(r *Redirection) error
+	// hold r.IPs, and returns which namespace that was.
+	Apply(r *Redirection) (NetnsID, error)
 	// Identify tells which namespace path names now. A path may name
 	// another namespace later: /proc/PID/ns/net once the PID is reused.
 	// Possible errors: one wrapping os.ErrNotExist when it is gone.
@@ -51,8 +51,15 @@ type netlinkTarget struct{}
 
 func newNetlinkTarget() Target { return netlinkTarget{} }
 
-func (netlinkTarget) Apply(r *Redirection) error {
-	return inPodNetns(r.Netns, r.IPs, func(h netns.NsHandle) error { return applyRules(h, familiesOf(r.IPs)) })
+func (netlinkTarget) Apply(r *Redirection) (NetnsID, error) {
+	var id NetnsID
+	err := inPodNetns(r.Netns, r.IPs, func(h netns.NsHandle) (err error) {
+		if id, err = netnsID(h); err != nil {
+			return err
+		}
+		return applyRules(h, familiesOf(r.IPs))
+	})
+	return id, err
 }
 
 func (netlinkTarget) Identify(path string) (NetnsID, error) {
@@ -115,14 +122,22 @@ func (netlinkTarget) Open(path string, ips []netip.Addr) (*os.File, error) {
 	return openPodNetns(path, ips)
 }
 
+func netnsID(h netns.NsHandle) (NetnsID, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(h), &st); err != nil {
+		return NetnsID{}, err
+	}
+	return NetnsID{Dev: st.Dev, Ino: st.Ino}, nil
+}
+
 // sameNetns checks that the namespace opened at path is still id: if not,
 // the namespace that was there is gone.
 func sameNetns(h netns.NsHandle, path string, id NetnsID) error {
-	var st unix.Stat_t
-	if err := unix.Fstat(int(h), &st); err != nil {
+	opened, err := netnsID(h)
+	if err != nil {
 		return err
 	}
-	if st.Dev != id.Dev || st.Ino != id.Ino {
+	if opened != id {
 		return fmt.Errorf("%s names another namespace now: %w", path, os.ErrNotExist)
 	}
 	return nil
