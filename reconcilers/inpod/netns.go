@@ -40,22 +40,23 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 	if err := zds.CheckNetns(f); err != nil {
 		return err
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+	id, err := netnsID(netns.NsHandle(f.Fd()))
+	if err != nil {
 		return err
 	}
 	own, err := ownNetns()
 	if err != nil {
 		return err
 	}
-	if own.Dev == st.Dev && own.Ino == st.Ino {
+	if own == id {
 		return fmt.Errorf("%w: %s is the agent's own", ErrNodeNetns, f.Name())
 	}
 	// PID 1's is the node's when the agent sees the node's processes. When
 	// the agent is PID 1, that is its main thread's (see ownNetns).
-	var pid1 unix.Stat_t
-	if os.Getpid() != 1 && unix.Stat("/proc/1/ns/net", &pid1) == nil && pid1.Dev == st.Dev && pid1.Ino == st.Ino {
-		return fmt.Errorf("%w: %s is PID 1's", ErrNodeNetns, f.Name())
+	if os.Getpid() != 1 {
+		if pid1, err := (netlinkTarget{}).Identify("/proc/1/ns/net"); err == nil && pid1 == id {
+			return fmt.Errorf("%w: %s is PID 1's", ErrNodeNetns, f.Name())
+		}
 	}
 	if len(ips) == 0 {
 		return nil
@@ -91,15 +92,15 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 // look like the node's. They keep the thread locked until it is back (or
 // the runtime discards it), so a thread locked here is in the agent's
 // namespace. Not for a caller on a thread it moved to another namespace.
-func ownNetns() (unix.Stat_t, error) {
+func ownNetns() (NetnsID, error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	var st unix.Stat_t
 	if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
 		// %v: this is no sign that the pod's namespace is gone.
-		return st, fmt.Errorf("the agent's own network namespace: %v", err)
+		return NetnsID{}, fmt.Errorf("the agent's own network namespace: %v", err)
 	}
-	return st, nil
+	return NetnsID{Dev: st.Dev, Ino: st.Ino}, nil
 }
 
 // inPodNetns opens the pod's namespace and runs fn with its handle.
