@@ -42,8 +42,9 @@ type Target interface {
 }
 
 // NetnsID identifies a network namespace, whatever path names it: its
-// device and inode. Unique among live namespaces only (the kernel reuses
-// inode numbers), so it is never kept beyond one operation.
+// device and inode. Unique among live namespaces only: the kernel reuses
+// the inode numbers of namespaces gone (see RulesOps.written, the one
+// place that keeps an identity beyond an operation).
 type NetnsID struct{ Dev, Ino uint64 }
 
 // netlinkTarget writes into the real namespaces.
