@@ -129,8 +129,10 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 // wantedNetns is what the rows ask for: namespaces by identity (what
 // their paths name now, and where their redirection was written), each
 // with its pod. A row whose path the agent cannot identify now (stat fails)
-// has an error in errs, and its path in unidentified; that path fails as
-// a candidate of the prune or a removal too, so nothing is removed there.
+// has an error in errs, and its path in unidentified, which the prune
+// skips. Another path that names its namespace is protected only by
+// where its redirection was written, which an agent restarted since does
+// not know.
 type wantedNetns struct {
 	ids          map[NetnsID]string
 	unidentified map[string]bool
@@ -140,11 +142,11 @@ type wantedNetns struct {
 func (o *RulesOps) wanted(rows iter.Seq2[*Redirection, statedb.Revision]) wantedNetns {
 	w := wantedNetns{ids: map[NetnsID]string{}, unidentified: map[string]bool{}}
 	for r := range rows {
+		if r.Netns == "" {
+			continue // no report: the sandbox was torn down
+		}
 		if id, ok := o.written[r.Pod]; ok {
 			w.ids[id] = r.Pod
-		}
-		if r.Netns == "" {
-			continue
 		}
 		id, err := o.target.Identify(r.Netns)
 		switch {

@@ -68,8 +68,12 @@ func TestRowsTheAgentCannotIdentify(t *testing.T) {
 // redirection, and are no error of the prune.
 func TestPresentFindsNothingWhereNothingCanBe(t *testing.T) {
 	target := newNetlinkTarget()
-	if _, err := target.Identify("/run/netns/none-such"); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("identify a namespace that is gone: %v, want one wrapping os.ErrNotExist", err)
+	// A path that is gone, or can name nothing, is gone to the prune: it
+	// is no candidate.
+	for _, path := range []string{"/run/netns/none-such", "/etc/hostname/net"} {
+		if _, err := target.Identify(path); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("identify %s: %v, want one wrapping os.ErrNotExist", path, err)
+		}
 	}
 	for _, path := range []string{"/run/netns/none-such", "/proc/thread-self/ns/net", "/proc/self/ns/uts"} {
 		id, _ := target.Identify(path)
@@ -177,7 +181,11 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	must(t, os.Remove(own))
 	must(t, ops.Prune(ctx, txn, ops.redirections.All(txn)))
 	if !present(a) {
-		t.Error("the prune removed a's redirection through a stale path while a's own path names nothing")
+		t.Fatal("the prune removed a's redirection through a stale path while a's own path names nothing")
+	}
+	must(t, ops.Delete(ctx, txn, 0, oldRow))
+	if !present(a) {
+		t.Error("removing a stale row's redirection removed a's, while a's own path names nothing")
 	}
 }
 
