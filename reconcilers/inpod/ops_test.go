@@ -135,15 +135,22 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	ctx := context.Background()
 	oldRow := &Redirection{Pod: "app/old", Netns: stale}
 
+	// neitherTakesA: the prune, and the removal of the stale row, leave
+	// a's redirection alone.
+	neitherTakesA := func(while string) {
+		t.Helper()
+		must(t, ops.Prune(ctx, txn, ops.redirections.All(txn)))
+		if !present(a) {
+			t.Fatalf("the prune removed a's redirection through a stale path that names a's namespace, while %s", while)
+		}
+		must(t, ops.Delete(ctx, txn, 0, oldRow))
+		if !present(a) {
+			t.Fatalf("removing a stale row's redirection removed a's, whose namespace the stale path names, while %s", while)
+		}
+	}
+
 	pointAt(pathA)
-	must(t, ops.Prune(ctx, txn, ops.redirections.All(txn)))
-	if !present(a) {
-		t.Fatal("the prune removed a's redirection through a stale path that names a's namespace now")
-	}
-	must(t, ops.Delete(ctx, txn, 0, oldRow))
-	if !present(a) {
-		t.Fatal("removing a stale row's redirection removed a's, whose namespace the stale path names now")
-	}
+	neitherTakesA("a's row asks for it by its own path")
 
 	pointAt(pathB)
 	must(t, ops.Prune(ctx, txn, ops.redirections.All(txn)))
@@ -179,14 +186,7 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	ops, txn = pruneWorld(t, target, []string{own, stale}, rowOwn)
 	must(t, ops.Update(ctx, txn, 0, rowOwn))
 	must(t, os.Remove(own))
-	must(t, ops.Prune(ctx, txn, ops.redirections.All(txn)))
-	if !present(a) {
-		t.Fatal("the prune removed a's redirection through a stale path while a's own path names nothing")
-	}
-	must(t, ops.Delete(ctx, txn, 0, oldRow))
-	if !present(a) {
-		t.Error("removing a stale row's redirection removed a's, while a's own path names nothing")
-	}
+	neitherTakesA("a's own path names nothing")
 }
 
 // pruneTarget is namespaces by path, each its own (or none: gone), a
