@@ -4,8 +4,12 @@ package proxy
 
 import (
 	"crypto/tls"
+	"math"
 	"net"
 	"sync"
+	"time"
+
+	"golang.org/x/net/http2"
 )
 
 // batchingConn is the TCP connection under a TLS connection. While a
@@ -62,25 +66,127 @@ const maxBatch = 1 << 20
 // batchedTLS is a TLS connection whose every Write leaves in one system
 // call: HTTP/2 hands it whole frames, which TLS cuts into records of at
 // most 16 KiB.
+//
+// A write of WINDOW_UPDATE frames alone waits up to windowUpdateDelay for
+// the next write and leaves with it. x/net sends one each time 4 KiB of a
+// stream were read (not configurable): every fourth 1 KiB request of a
+// request/response tunnel, and one per read of a bulk stream, each a
+// system call that also wakes the peer. Delaying them costs nothing while
+// the peer has window left, and our windows (4 MiB and more) outlast the
+// delay at any rate this path carries.
 type batchedTLS struct {
 	*tls.Conn
 	raw *batchingConn
-	wmu sync.Mutex
+
+	wmu      sync.Mutex
+	frames   frameCursor
+	deferred []byte      // WINDOW_UPDATE frames waiting for the next write
+	timer    *time.Timer // sends deferred when no write came in time
 }
+
+// Bounds of a deferred WINDOW_UPDATE.
+const (
+	windowUpdateDelay = time.Millisecond
+	maxDeferredBytes  = 4 << 10
+)
 
 func (t *batchedTLS) Write(p []byte) (int, error) {
 	t.wmu.Lock()
 	defer t.wmu.Unlock()
+	if t.frames.advance(p) && len(t.deferred)+len(p) <= maxDeferredBytes {
+		if len(t.deferred) == 0 {
+			t.timer.Reset(windowUpdateDelay)
+		}
+		t.deferred = append(t.deferred, p...)
+		return len(p), nil
+	}
 	t.raw.hold()
-	n, err := t.Conn.Write(p)
+	err := t.writeDeferred()
+	n := 0
+	if err == nil {
+		n, err = t.Conn.Write(p)
+	}
 	if rerr := t.raw.release(); err == nil && rerr != nil {
 		return 0, rerr
 	}
 	return n, err
 }
 
-// newBatchedTLS wraps raw for tls (tls.Client or tls.Server).
-func newBatchedTLS(raw net.Conn, wrap func(net.Conn) *tls.Conn) *batchedTLS {
+// writeDeferred writes the deferred frames; the caller holds wmu.
+func (t *batchedTLS) writeDeferred() error {
+	if len(t.deferred) == 0 {
+		return nil
+	}
+	t.timer.Stop()
+	_, err := t.Conn.Write(t.deferred)
+	t.deferred = t.deferred[:0]
+	return err
+}
+
+// sendDeferred is the timer's: the deferred frames go alone. An error
+// stays with the TLS connection, and HTTP/2's next write gets it.
+func (t *batchedTLS) sendDeferred() {
+	t.wmu.Lock()
+	defer t.wmu.Unlock()
+	t.raw.hold()
+	t.writeDeferred()
+	t.raw.release()
+}
+
+// Close does not wait for wmu: a write blocked on the peer must not block
+// the close that ends it.
+func (t *batchedTLS) Close() error {
+	t.timer.Stop()
+	return t.Conn.Close()
+}
+
+// newBatchedTLS wraps raw for tls (tls.Client or tls.Server). client says
+// which end of HTTP/2 writes into it (the client's first bytes are the
+// preface, not a frame).
+func newBatchedTLS(raw net.Conn, client bool, wrap func(net.Conn) *tls.Conn) *batchedTLS {
 	b := &batchingConn{Conn: raw}
-	return &batchedTLS{Conn: wrap(b), raw: b}
+	t := &batchedTLS{Conn: wrap(b), raw: b}
+	if client {
+		t.frames.rest = len(http2.ClientPreface)
+	}
+	t.timer = time.AfterFunc(time.Duration(math.MaxInt64), t.sendDeferred)
+	t.timer.Stop()
+	return t
+}
+
+// frameCursor follows the HTTP/2 frame boundaries (RFC 9113, section 4.1)
+// in what HTTP/2 writes; a frame may be split across writes.
+type frameCursor struct {
+	rest   int // bytes of the current frame (or the preface) still to come
+	header [frameHeaderLen]byte
+	got    int // bytes of a split frame header seen
+}
+
+const frameHeaderLen = 9
+
+// advance moves over p and reports whether p is whole WINDOW_UPDATE frames
+// and nothing else.
+func (c *frameCursor) advance(p []byte) (windowUpdatesOnly bool) {
+	windowUpdatesOnly = len(p) > 0 && c.rest == 0 && c.got == 0
+	for len(p) > 0 {
+		if c.rest > 0 {
+			n := min(c.rest, len(p))
+			c.rest -= n
+			p = p[n:]
+			continue
+		}
+		n := copy(c.header[c.got:], p)
+		c.got += n
+		p = p[n:]
+		if c.got < frameHeaderLen {
+			return false
+		}
+		c.got = 0
+		length := int(c.header[0])<<16 | int(c.header[1])<<8 | int(c.header[2])
+		if http2.FrameType(c.header[3]) != http2.FrameWindowUpdate {
+			windowUpdatesOnly = false
+		}
+		c.rest = length
+	}
+	return windowUpdatesOnly && c.rest == 0
 }

@@ -45,7 +45,7 @@ func (p *Proxy) inbound(ctx context.Context, conn *net.TCPConn, dial dialer) {
 		}
 		return nil, fmt.Errorf("%w: %s", ErrNoCertificate, dstW.Identity)
 	}
-	tlsConn := newBatchedTLS(conn, func(c net.Conn) *tls.Conn {
+	tlsConn := newBatchedTLS(conn, false, func(c net.Conn) *tls.Conn {
 		return tls.Server(c, serverTLS(cert, p.certs.Bundle, p.cfg.TrustDomain, &proved))
 	})
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)

@@ -117,7 +117,7 @@ func (p *Proxy) dialTunnel(ctx context.Context, conn *net.TCPConn, src, dst neti
 	}
 	p.metrics.TunnelsDialed.Inc()
 	var proved string
-	tlsConn := newBatchedTLS(tcp, func(c net.Conn) *tls.Conn {
+	tlsConn := newBatchedTLS(tcp, true, func(c net.Conn) *tls.Conn {
 		return tls.Client(c, clientTLS(cert, p.certs.Bundle(), p.cfg.TrustDomain, dstW.Identity, &proved))
 	})
 	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)

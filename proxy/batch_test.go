@@ -1,0 +1,164 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package proxy
+
+import (
+	"bytes"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"io"
+	"math/big"
+	"net"
+	"net/http"
+	"net/netip"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// TestFrameCursor: the cursor finds the writes that are WINDOW_UPDATE
+// frames alone, however HTTP/2's buffered writer cuts frames.
+func TestFrameCursor(t *testing.T) {
+	frames := func(write func(*http2.Framer)) []byte {
+		var b bytes.Buffer
+		write(http2.NewFramer(&b, nil))
+		return b.Bytes()
+	}
+	update := frames(func(f *http2.Framer) { f.WriteWindowUpdate(0, 4096); f.WriteWindowUpdate(1, 4096) })
+	data := frames(func(f *http2.Framer) { f.WriteData(1, false, make([]byte, 3000)) })
+	settings := frames(func(f *http2.Framer) { f.WriteSettings() })
+	ping := frames(func(f *http2.Framer) { f.WritePing(false, [8]byte{}) })
+	preface := []byte(http2.ClientPreface)
+
+	for _, c := range []struct {
+		name   string
+		client bool
+		writes [][]byte
+		want   []bool
+	}{
+		{"updates alone", false, [][]byte{update, update[:13]}, []bool{true, true}},
+		{"updates with data", false, [][]byte{append(bytes.Clone(update), data...), data}, []bool{false, false}},
+		{"other control frames", false, [][]byte{settings, ping}, []bool{false, false}},
+		{"a frame split across writes", false,
+			[][]byte{data[:5], data[5:100], data[100:], update},
+			[]bool{false, false, false, true}},
+		{"a header split across writes", false,
+			[][]byte{update[:4], update[4:]},
+			[]bool{false, false}},
+		{"updates after a split header", false,
+			[][]byte{data[:4], data[4:], update},
+			[]bool{false, false, true}},
+		{"the client's preface is no frame", true,
+			[][]byte{append(bytes.Clone(preface), settings...), update},
+			[]bool{false, true}},
+		{"the preface read as frames", false,
+			[][]byte{preface},
+			[]bool{false}},
+	} {
+		var cursor frameCursor
+		if c.client {
+			cursor.rest = len(http2.ClientPreface)
+		}
+		for i, w := range c.writes {
+			if got := cursor.advance(w); got != c.want[i] {
+				t.Errorf("%s: write %d: %v, want %v", c.name, i, got, c.want[i])
+			}
+		}
+	}
+}
+
+// TestWindowUpdatesRideAlong: on a real HBONE tunnel over TLS, 64 request/
+// response pairs of 1 KiB cost one TCP write per message at each end:
+// the WINDOW_UPDATEs x/net makes every 4 KiB read leave with the next
+// message. The last one, with no message after it, leaves by the timer.
+func TestWindowUpdatesRideAlong(t *testing.T) {
+	clientRaw, serverRaw := net.Pipe()
+	clientSide, serverSide := &countingConn{Conn: clientRaw}, &countingConn{Conn: serverRaw}
+	t.Cleanup(func() { clientRaw.Close(); serverRaw.Close() })
+	serverConfig := selfSignedTLS(t)
+	server := newBatchedTLS(serverSide, false, func(c net.Conn) *tls.Conn { return tls.Server(c, serverConfig) })
+	client := newBatchedTLS(clientSide, true, func(c net.Conn) *tls.Conn {
+		// Only the write path is under test here; hbone_test.go checks identities.
+		return tls.Client(c, &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS13})
+	})
+	handshaken := make(chan error, 1)
+	go func() { handshaken <- server.Handshake() }()
+	must(t, client.Handshake())
+	must(t, <-handshaken)
+
+	go newHBONEServer().ServeConn(server, &http2.ServeConnOpts{Handler: http.HandlerFunc(
+		func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusOK)
+			s := newServerStream(w, r)
+			s.flusher.Flush()
+			buf := make([]byte, message)
+			for {
+				if _, err := io.ReadFull(s, buf); err != nil {
+					return
+				}
+				if _, err := s.Write(buf); err != nil {
+					return
+				}
+			}
+		})})
+	cc, err := newHBONETransport().NewClientConn(client)
+	must(t, err)
+	tunnel, err := openTunnel(cc, "10.0.0.1:80", forwardedFor(netip.MustParseAddrPort("10.0.0.2:1234")))
+	must(t, err)
+	t.Cleanup(func() { tunnel.Close() })
+
+	const messages = 64
+	// Settle the tunnel's opening (and its deferred frames) first.
+	time.Sleep(20 * windowUpdateDelay)
+	clientBefore, serverBefore := clientSide.writes.Load(), serverSide.writes.Load()
+	req, resp := make([]byte, message), make([]byte, message)
+	for i := range messages {
+		req[0] = byte(i)
+		if _, err := tunnel.Write(req); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(tunnel, resp); err != nil {
+			t.Fatal(err)
+		}
+		if resp[0] != byte(i) {
+			t.Fatalf("message %d came back as %d", i, resp[0])
+		}
+	}
+	if n := serverSide.writes.Load() - serverBefore; n != messages {
+		t.Errorf("the server wrote %d times for %d responses, want one write each", n, messages)
+	}
+	// The client's last update follows its last read: the timer sends it.
+	eventually(t, func() bool { return clientSide.writes.Load()-clientBefore == messages+1 },
+		"the client's writes: one per request, and its last window update")
+}
+
+// message is the size of a request or response in the test above.
+const message = 1 << 10
+
+// countingConn counts the writes that reach the connection under TLS.
+type countingConn struct {
+	net.Conn
+	writes atomic.Int64
+}
+
+func (c *countingConn) Write(p []byte) (int, error) {
+	c.writes.Add(1)
+	return c.Conn.Write(p)
+}
+
+func selfSignedTLS(t *testing.T) *tls.Config {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	must(t, err)
+	template := &x509.Certificate{SerialNumber: big.NewInt(1), NotAfter: time.Now().Add(time.Hour)}
+	der, err := x509.CreateCertificate(rand.Reader, template, template, key.Public(), key)
+	must(t, err)
+	return &tls.Config{
+		Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}},
+		MinVersion:   tls.VersionTLS13,
+	}
+}
