@@ -118,6 +118,26 @@ func podFromK8s(p *corev1.Pod) (*tables.Pod, error) {
 // cycle instead of one a row, and never more than before.
 func intern(s string) string { return unique.Make(s).Value() }
 
+// keepSharedText gives an updated pod the text of its previous row where
+// it did not change. That text is shared with the rows interned in the
+// same collection cycle; the update's own interned copy would be shared
+// only with rows of its cycle, so without this, sharing would fade as
+// pods are updated one by one.
+func keepSharedText(old, pod *tables.Pod) {
+	keep := func(s *string, prev string) {
+		if *s == prev {
+			*s = prev
+		}
+	}
+	keep(&pod.Namespace, old.Namespace)
+	keep(&pod.NodeName, old.NodeName)
+	keep(&pod.ServiceAccount, old.ServiceAccount)
+	keep(&pod.Phase, old.Phase)
+	if pod.Labels == old.Labels {
+		pod.Labels = old.Labels
+	}
+}
+
 func nodeFromK8s(n *corev1.Node) *tables.Node {
 	node := &tables.Node{Name: n.Name, Labels: tables.NewLabels(n.Labels)}
 	for _, a := range n.Status.Addresses {

@@ -70,3 +70,46 @@ func labelValue(p *tables.Pod, key string) string {
 	v, _ := p.Labels.Lookup(key)
 	return v
 }
+
+// TestUpdatesKeepSharedText: a pod updated after a garbage collection (when
+// interning has forgotten the copy its replicas share) keeps sharing it:
+// its row takes the text of its previous row where it did not change.
+func TestUpdatesKeepSharedText(t *testing.T) {
+	replica := func(name, phase string) *tables.Pod {
+		var pod corev1.Pod
+		wire := `{"metadata": {"namespace": "team-keep", "name": "` + name + `", "labels": {"app": "keep"}},
+			"spec": {"nodeName": "node-keep", "serviceAccountName": "keep"}, "status": {"phase": "` + phase + `"}}`
+		if err := json.Unmarshal([]byte(wire), &pod); err != nil {
+			t.Fatal(err)
+		}
+		row, err := podFromK8s(&pod)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return row
+	}
+	a, b := replica("keep-a", "Pending"), replica("keep-b", "Pending")
+	// Two collections: the first finds the interned copies unreferenced by
+	// any handle, the second lets the runtime forget them for certain.
+	runtime.GC()
+	runtime.GC()
+	merge := podSink(nil, newIdentities(nil)).opts.Merge
+	updated := merge(b, true, replica("keep-b", "Running"))
+	same := func(x, y string) bool { return x == y && unsafe.StringData(x) == unsafe.StringData(y) }
+	for _, f := range []struct {
+		field string
+		a, b  string
+	}{
+		{"namespace", a.Namespace, updated.Namespace},
+		{"node", a.NodeName, updated.NodeName},
+		{"service account", a.ServiceAccount, updated.ServiceAccount},
+		{"labels", labelValue(a, "app"), labelValue(updated, "app")},
+	} {
+		if !same(f.a, f.b) {
+			t.Errorf("%s: the update has a copy of its own, want the one its replica shares", f.field)
+		}
+	}
+	if updated.Phase != "Running" {
+		t.Errorf("phase %q after the update, want Running", updated.Phase)
+	}
+}

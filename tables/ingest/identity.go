@@ -143,7 +143,13 @@ func (ids *identities) set(txn statedb.WriteTxn, key string, id uint32) (delta i
 
 // podSink writes the pods' rows with the identities of their endpoints:
 // a new row takes the identity waiting for it, a row that goes leaves its
-// identity waiting.
+// identity waiting. An updated row keeps its shared text (keepSharedText).
 func podSink(pods statedb.RWTable[*tables.Pod], ids *identities) tableSink[*tables.Pod] {
-	return tableSink[*tables.Pod]{pods, tables.SyncOptions[*tables.Pod]{Merge: ids.keep, Gone: ids.release}}
+	merge := func(old *tables.Pod, found bool, pod *tables.Pod) *tables.Pod {
+		if found {
+			keepSharedText(old, pod)
+		}
+		return ids.keep(old, found, pod)
+	}
+	return tableSink[*tables.Pod]{pods, tables.SyncOptions[*tables.Pod]{Merge: merge, Gone: ids.release}}
 }
