@@ -40,6 +40,9 @@ import (
 // 6 of issue 14, see runChecks).
 func TestMTLS(t *testing.T) {
 	b := newBed(t, newFolderCluster(t))
+	for _, n := range b.nodes {
+		n.expectSysmonAwake(t)
+	}
 	runChecks(t, b, nil)
 }
 

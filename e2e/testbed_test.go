@@ -17,6 +17,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -357,6 +358,22 @@ func (n *bedNode) waitProxyReady() {
 		}
 		return err
 	})
+}
+
+// expectSysmonAwake checks that the proxy runs with the Go runtime's
+// monitor kept out of its deep sleep (cmd/mtlsbridge-proxy/sysmon.go),
+// which it does by executing itself again: the environment of its
+// process image says whether it did.
+func (n *bedNode) expectSysmonAwake(t *testing.T) {
+	t.Helper()
+	environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", n.proxy.cmd.Process.Pid))
+	must(t, err)
+	for kv := range strings.SplitSeq(string(environ), "\x00") {
+		if v, ok := strings.CutPrefix(kv, "GODEBUG="); ok && slices.Contains(strings.Split(v, ","), "schedtrace=2147483647") {
+			return
+		}
+	}
+	t.Errorf("%s's proxy runs without schedtrace in GODEBUG: %q", n.name, environ)
 }
 
 // configDump is the proxy's /config_dump, read on its admin port (from

@@ -35,6 +35,7 @@ func main() {
 }
 
 func run() int {
+	sysmonErr := keepSysmonAwake()
 	// A node proxy shares its node with the pods it serves: as ztunnel
 	// sizes its workers, it takes a quarter of the CPUs it may use (the Go
 	// runtime already counts a cgroup CPU limit), at least one, unless
@@ -51,6 +52,9 @@ func run() int {
 		}
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	if sysmonErr != nil {
+		log.Warn("Running without "+sysmonAwake+" in GODEBUG: more CPU and latency per request", "error", sysmonErr)
+	}
 	cfg, err := proxy.ConfigFromEnv(os.Getenv, os.Environ())
 	if err != nil {
 		log.Error("Configuration", "error", err)
