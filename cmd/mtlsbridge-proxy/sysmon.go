@@ -13,9 +13,9 @@ import (
 // processor that relays requests goes idle between them, so each request
 // paid a futex wake of sysmon, then sysmon's 20 µs ticks took the
 // processor from writes a little longer than that and handed it to another
-// thread. On the testbed (proxy/README.md) that was 11,000 sysmon wake-ups a
-// second per proxy and a tenth of its CPU time; without the deep sleep,
-// about 100, and the proxies use 14% less CPU per request and per byte.
+// thread. On the testbed that was 11,000 sysmon wake-ups a second per
+// proxy and a tenth of its CPU time; without the deep sleep, about 100,
+// and a fifth less CPU per request (proxy/README.md, Performance).
 //
 // GODEBUG's schedtrace is the runtime's only switch for it: while it is
 // set, sysmon never sleeps deeply. Its trace prints a line each schedtrace
