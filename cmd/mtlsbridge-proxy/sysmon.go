@@ -19,8 +19,8 @@ import (
 //
 // GODEBUG's schedtrace is the runtime's only switch for it: while it is
 // set, sysmon never sleeps deeply. Its trace prints a line each schedtrace
-// milliseconds of the system's uptime; at the largest value, once every
-// 24.8 days.
+// milliseconds; at the largest value, once every 24.8 days (and at start
+// on a system up for longer).
 const (
 	godebugEnv  = "GODEBUG"
 	sysmonAwake = "schedtrace=2147483647"
