@@ -350,8 +350,10 @@ func startRelay(t testing.TB, netns, role, listen, to, pemFile string) {
 	exe, err := os.Executable()
 	must(t, err)
 	cmd := exec.Command("nsenter", "--net=/run/netns/"+netns, "--", exe)
-	// One thread, as the proxies take on this 2-core testbed.
-	cmd.Env = append(os.Environ(), "GOMAXPROCS=1",
+	// One thread, as the proxies take on this 2-core testbed, and the
+	// runtime's monitor kept awake, as the proxies keep it
+	// (cmd/mtlsbridge-proxy/sysmon.go).
+	cmd.Env = append(os.Environ(), "GOMAXPROCS=1", "GODEBUG=schedtrace=2147483647",
 		relayEnv+"="+role, relayEnv+"_LISTEN="+listen, relayEnv+"_TO="+to, relayEnv+"_PEM="+pemFile)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
