@@ -4,6 +4,7 @@ package proxy
 
 import (
 	"crypto/tls"
+	"encoding/binary"
 	"math"
 	"net"
 	"sync"
@@ -71,31 +72,42 @@ const maxBatch = 1 << 20
 // the next write and leaves with it. x/net sends one each time 4 KiB of a
 // stream were read (not configurable): every fourth 1 KiB request of a
 // request/response tunnel, and one per read of a bulk stream, each a
-// system call that also wakes the peer. Delaying them costs nothing while
-// the peer has window left, and our windows (4 MiB and more) outlast the
-// delay at any rate this path carries.
+// system call that also wakes the peer. The peer sends on meanwhile in the
+// window it has: what waits is bounded (maxDeferredBytes of routine
+// updates, a few hundred KiB) far below our windows (4 MiB a stream, 8 MiB
+// and more a connection). A large update, such as the server's opening of
+// its connection window, leaves at once.
 type batchedTLS struct {
 	*tls.Conn
 	raw *batchingConn
 
 	wmu      sync.Mutex
 	frames   frameCursor
-	deferred []byte      // WINDOW_UPDATE frames waiting for the next write
-	timer    *time.Timer // sends deferred when no write came in time
+	deferred []byte        // WINDOW_UPDATE frames waiting for the next write
+	delay    time.Duration // windowUpdateDelay; longer in a test
+	timer    *time.Timer   // sends deferred when no write came in time
+	err      error         // the timer's write failed: the connection is done
 }
 
 // Bounds of a deferred WINDOW_UPDATE.
 const (
 	windowUpdateDelay = time.Millisecond
-	maxDeferredBytes  = 4 << 10
+	// maxDeferredBytes bounds what waits: 157 updates of a stream and its
+	// connection, each 4 KiB or so.
+	maxDeferredBytes = 4 << 10
+	// maxDeferredIncrement: a larger update is not routine, it leaves at once.
+	maxDeferredIncrement = 64 << 10
 )
 
 func (t *batchedTLS) Write(p []byte) (int, error) {
 	t.wmu.Lock()
 	defer t.wmu.Unlock()
+	if t.err != nil {
+		return 0, t.err
+	}
 	if t.frames.advance(p) && len(t.deferred)+len(p) <= maxDeferredBytes {
 		if len(t.deferred) == 0 {
-			t.timer.Reset(windowUpdateDelay)
+			t.timer.Reset(t.delay)
 		}
 		t.deferred = append(t.deferred, p...)
 		return len(p), nil
@@ -123,20 +135,35 @@ func (t *batchedTLS) writeDeferred() error {
 	return err
 }
 
-// sendDeferred is the timer's: the deferred frames go alone. An error
-// stays with the TLS connection, and HTTP/2's next write gets it.
+// sendDeferred is the timer's: the deferred frames go alone. If that
+// fails, a TLS record may be lost, so the connection is closed and
+// HTTP/2's next write gets the error.
 func (t *batchedTLS) sendDeferred() {
 	t.wmu.Lock()
 	defer t.wmu.Unlock()
 	t.raw.hold()
-	t.writeDeferred()
-	t.raw.release()
+	err := t.writeDeferred()
+	if rerr := t.raw.release(); err == nil {
+		err = rerr
+	}
+	if err != nil && t.err == nil {
+		t.err = err
+		t.raw.Conn.Close()
+	}
 }
 
-// Close does not wait for wmu: a write blocked on the peer must not block
-// the close that ends it.
+// Close sends TLS's close_notify unless a write is under way: that write
+// may be blocked on a peer that does not read, and the close must end it
+// at once (as tls.Conn does for its own writes).
 func (t *batchedTLS) Close() error {
 	t.timer.Stop()
+	if !t.wmu.TryLock() {
+		return t.raw.Conn.Close()
+	}
+	defer t.wmu.Unlock()
+	if t.err == nil {
+		t.err = net.ErrClosed
+	}
 	return t.Conn.Close()
 }
 
@@ -145,7 +172,7 @@ func (t *batchedTLS) Close() error {
 // preface, not a frame).
 func newBatchedTLS(raw net.Conn, client bool, wrap func(net.Conn) *tls.Conn) *batchedTLS {
 	b := &batchingConn{Conn: raw}
-	t := &batchedTLS{Conn: wrap(b), raw: b}
+	t := &batchedTLS{Conn: wrap(b), raw: b, delay: windowUpdateDelay}
 	if client {
 		t.frames.rest = len(http2.ClientPreface)
 	}
@@ -165,9 +192,9 @@ type frameCursor struct {
 const frameHeaderLen = 9
 
 // advance moves over p and reports whether p is whole WINDOW_UPDATE frames
-// and nothing else.
-func (c *frameCursor) advance(p []byte) (windowUpdatesOnly bool) {
-	windowUpdatesOnly = len(p) > 0 && c.rest == 0 && c.got == 0
+// of routine increments (at most maxDeferredIncrement) and nothing else.
+func (c *frameCursor) advance(p []byte) (routineUpdatesOnly bool) {
+	routineUpdatesOnly = len(p) > 0 && c.rest == 0 && c.got == 0
 	for len(p) > 0 {
 		if c.rest > 0 {
 			n := min(c.rest, len(p))
@@ -182,11 +209,11 @@ func (c *frameCursor) advance(p []byte) (windowUpdatesOnly bool) {
 			return false
 		}
 		c.got = 0
-		length := int(c.header[0])<<16 | int(c.header[1])<<8 | int(c.header[2])
-		if http2.FrameType(c.header[3]) != http2.FrameWindowUpdate {
-			windowUpdatesOnly = false
+		c.rest = int(c.header[0])<<16 | int(c.header[1])<<8 | int(c.header[2])
+		if http2.FrameType(c.header[3]) != http2.FrameWindowUpdate || c.rest != 4 || len(p) < 4 ||
+			binary.BigEndian.Uint32(p)&(1<<31-1) > maxDeferredIncrement {
+			routineUpdatesOnly = false
 		}
-		c.rest = length
 	}
-	return windowUpdatesOnly && c.rest == 0
+	return routineUpdatesOnly && c.rest == 0
 }

@@ -30,6 +30,7 @@ func TestFrameCursor(t *testing.T) {
 		return b.Bytes()
 	}
 	update := frames(func(f *http2.Framer) { f.WriteWindowUpdate(0, 4096); f.WriteWindowUpdate(1, 4096) })
+	opening := frames(func(f *http2.Framer) { f.WriteWindowUpdate(0, 8<<20-65535) })
 	data := frames(func(f *http2.Framer) { f.WriteData(1, false, make([]byte, 3000)) })
 	settings := frames(func(f *http2.Framer) { f.WriteSettings() })
 	ping := frames(func(f *http2.Framer) { f.WritePing(false, [8]byte{}) })
@@ -44,6 +45,7 @@ func TestFrameCursor(t *testing.T) {
 		{"updates alone", false, [][]byte{update, update[:13]}, []bool{true, true}},
 		{"updates with data", false, [][]byte{append(bytes.Clone(update), data...), data}, []bool{false, false}},
 		{"other control frames", false, [][]byte{settings, ping}, []bool{false, false}},
+		{"a large update", false, [][]byte{opening, append(bytes.Clone(update), opening...)}, []bool{false, false}},
 		{"a frame split across writes", false,
 			[][]byte{data[:5], data[5:100], data[100:], update},
 			[]bool{false, false, false, true}},
@@ -80,16 +82,10 @@ func TestWindowUpdatesRideAlong(t *testing.T) {
 	clientRaw, serverRaw := net.Pipe()
 	clientSide, serverSide := &countingConn{Conn: clientRaw}, &countingConn{Conn: serverRaw}
 	t.Cleanup(func() { clientRaw.Close(); serverRaw.Close() })
-	serverConfig := selfSignedTLS(t)
-	server := newBatchedTLS(serverSide, false, func(c net.Conn) *tls.Conn { return tls.Server(c, serverConfig) })
-	client := newBatchedTLS(clientSide, true, func(c net.Conn) *tls.Conn {
-		// Only the write path is under test here; hbone_test.go checks identities.
-		return tls.Client(c, &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS13})
-	})
-	handshaken := make(chan error, 1)
-	go func() { handshaken <- server.Handshake() }()
-	must(t, client.Handshake())
-	must(t, <-handshaken)
+	client, server := batchedPair(t, clientSide, serverSide, true)
+	// Long enough that no timer fires during the exchange: each update
+	// must leave with a message.
+	client.delay, server.delay = time.Second, time.Second
 
 	go newHBONEServer().ServeConn(server, &http2.ServeConnOpts{Handler: http.HandlerFunc(
 		func(w http.ResponseWriter, r *http.Request) {
@@ -113,8 +109,9 @@ func TestWindowUpdatesRideAlong(t *testing.T) {
 	t.Cleanup(func() { tunnel.Close() })
 
 	const messages = 64
-	// Settle the tunnel's opening (and its deferred frames) first.
-	time.Sleep(20 * windowUpdateDelay)
+	// Let the writes of the tunnel's opening (settings and their
+	// acknowledgements; no routine updates) finish first.
+	time.Sleep(50 * time.Millisecond)
 	clientBefore, serverBefore := clientSide.writes.Load(), serverSide.writes.Load()
 	req, resp := make([]byte, message), make([]byte, message)
 	for i := range messages {
@@ -132,9 +129,83 @@ func TestWindowUpdatesRideAlong(t *testing.T) {
 	if n := serverSide.writes.Load() - serverBefore; n != messages {
 		t.Errorf("the server wrote %d times for %d responses, want one write each", n, messages)
 	}
+	if n := clientSide.writes.Load() - clientBefore; n != messages {
+		t.Errorf("the client wrote %d times for %d requests, want one write each", n, messages)
+	}
 	// The client's last update follows its last read: the timer sends it.
 	eventually(t, func() bool { return clientSide.writes.Load()-clientBefore == messages+1 },
-		"the client's writes: one per request, and its last window update")
+		"the client's last window update, sent by the timer")
+}
+
+// TestDeferredUpdatesKeepTheOrder: deferred updates leave before the next
+// write, which may end inside a frame; the peer reads every frame whole.
+// Closing while a write is blocked on a peer that does not read ends it at
+// once.
+func TestDeferredUpdatesKeepTheOrder(t *testing.T) {
+	writerSide, readerSide := net.Pipe()
+	t.Cleanup(func() { writerSide.Close(); readerSide.Close() })
+	writer, reader := batchedPair(t, writerSide, readerSide, false)
+	var b bytes.Buffer
+	f := http2.NewFramer(&b, nil)
+	f.WriteWindowUpdate(0, 4096)
+	f.WriteWindowUpdate(3, 4096)
+	update := bytes.Clone(b.Bytes())
+	b.Reset()
+	payload := bytes.Repeat([]byte("0123456789"), 300)
+	f.WriteData(3, false, payload)
+	data := bytes.Clone(b.Bytes())
+
+	wrote := make(chan error, 1)
+	go func() {
+		for _, w := range [][]byte{update, data[:20], data[20:]} {
+			if _, err := writer.Write(w); err != nil {
+				wrote <- err
+				return
+			}
+		}
+		wrote <- nil
+	}()
+	fr := http2.NewFramer(nil, reader.Conn)
+	for _, want := range []uint32{0, 3} {
+		frame, err := fr.ReadFrame()
+		must(t, err)
+		if u, ok := frame.(*http2.WindowUpdateFrame); !ok || u.StreamID != want || u.Increment != 4096 {
+			t.Fatalf("read %v, want the update of stream %d first", frame, want)
+		}
+	}
+	frame, err := fr.ReadFrame()
+	must(t, err)
+	if d, ok := frame.(*http2.DataFrame); !ok || !bytes.Equal(d.Data(), payload) {
+		t.Fatalf("read %v, want the data whole", frame)
+	}
+	must(t, <-wrote)
+
+	// Nothing reads any more: this write blocks in the pipe.
+	go writer.Write(data)
+	time.Sleep(50 * time.Millisecond)
+	closed := make(chan error, 1)
+	go func() { closed <- writer.Close() }()
+	select {
+	case <-closed:
+	case <-time.After(3 * time.Second): // tls.Conn's close_notify would wait 5 s
+		t.Fatal("Close waits behind a write blocked on the peer")
+	}
+}
+
+// batchedPair is both ends of a TLS connection over a and b, each a
+// batchedTLS, after the handshake; a is the HTTP/2 client if h2Client.
+func batchedPair(t *testing.T, a, b net.Conn, h2Client bool) (*batchedTLS, *batchedTLS) {
+	serverConfig := selfSignedTLS(t)
+	client := newBatchedTLS(a, h2Client, func(c net.Conn) *tls.Conn {
+		// Only the write path is under test here; hbone_test.go checks identities.
+		return tls.Client(c, &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS13})
+	})
+	server := newBatchedTLS(b, false, func(c net.Conn) *tls.Conn { return tls.Server(c, serverConfig) })
+	handshaken := make(chan error, 1)
+	go func() { handshaken <- server.Handshake() }()
+	must(t, client.Handshake())
+	must(t, <-handshaken)
+	return client, server
 }
 
 // message is the size of a request or response in the test above.

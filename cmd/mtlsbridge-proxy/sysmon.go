@@ -20,7 +20,8 @@ import (
 // GODEBUG's schedtrace is the runtime's only switch for it: while it is
 // set, sysmon never sleeps deeply. Its trace prints a line each schedtrace
 // milliseconds; at the largest value, once every 24.8 days (and at start
-// on a system up for longer).
+// on a system up for longer). A fatal panic also prints the scheduler's
+// state, a line per thread and goroutine, before the panic's message.
 const (
 	godebugEnv  = "GODEBUG"
 	sysmonAwake = "schedtrace=2147483647"

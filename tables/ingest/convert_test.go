@@ -88,25 +88,24 @@ func TestUpdatesKeepSharedText(t *testing.T) {
 		}
 		return row
 	}
-	a, b := replica("keep-a", "Pending"), replica("keep-b", "Pending")
-	// Two collections: the first finds the interned copies unreferenced by
-	// any handle, the second lets the runtime forget them for certain.
-	runtime.GC()
+	previous := replica("keep-b", "Pending")
+	// A collection sweeps the interned copies no handle refers to: the
+	// runtime forgets them, and the update's conversion makes new ones.
 	runtime.GC()
 	merge := podSink(nil, newIdentities(nil)).opts.Merge
-	updated := merge(b, true, replica("keep-b", "Running"))
+	updated := merge(previous, true, replica("keep-b", "Running"))
 	same := func(x, y string) bool { return x == y && unsafe.StringData(x) == unsafe.StringData(y) }
 	for _, f := range []struct {
 		field string
 		a, b  string
 	}{
-		{"namespace", a.Namespace, updated.Namespace},
-		{"node", a.NodeName, updated.NodeName},
-		{"service account", a.ServiceAccount, updated.ServiceAccount},
-		{"labels", labelValue(a, "app"), labelValue(updated, "app")},
+		{"namespace", previous.Namespace, updated.Namespace},
+		{"node", previous.NodeName, updated.NodeName},
+		{"service account", previous.ServiceAccount, updated.ServiceAccount},
+		{"labels", labelValue(previous, "app"), labelValue(updated, "app")},
 	} {
 		if !same(f.a, f.b) {
-			t.Errorf("%s: the update has a copy of its own, want the one its replica shares", f.field)
+			t.Errorf("%s: the update has a copy of its own, want its previous row's (shared with replicas)", f.field)
 		}
 	}
 	if updated.Phase != "Running" {
