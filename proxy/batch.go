@@ -87,6 +87,17 @@ type batchedTLS struct {
 	delay    time.Duration // windowUpdateDelay; longer in a test
 	timer    *time.Timer   // sends deferred when no write came in time
 	err      error         // the timer's write failed: the connection is done
+
+	clamp *frameSizeClamp // on the client's side: the peer's frame size, read
+}
+
+// Read is the TLS connection's; the client's side clamps the peer's frame
+// size on the way (frameSizeClamp).
+func (t *batchedTLS) Read(p []byte) (int, error) {
+	if t.clamp == nil {
+		return t.Conn.Read(p)
+	}
+	return t.clamp.read(t.Conn, p)
 }
 
 // Bounds of a deferred WINDOW_UPDATE.
@@ -175,6 +186,7 @@ func newBatchedTLS(raw net.Conn, client bool, wrap func(net.Conn) *tls.Conn) *ba
 	t := &batchedTLS{Conn: wrap(b), raw: b, delay: windowUpdateDelay}
 	if client {
 		t.frames.rest = len(http2.ClientPreface)
+		t.clamp = &frameSizeClamp{}
 	}
 	t.timer = time.AfterFunc(time.Duration(math.MaxInt64), t.sendDeferred)
 	t.timer.Stop()
