@@ -29,8 +29,8 @@ const (
 
 // keepSysmonAwake executes the proxy again with sysmonAwake added to
 // GODEBUG, unless GODEBUG sets schedtrace already (that choice is the
-// operator's: schedtrace=0 turns this off). It returns only if there was nothing to do or the exec
-// failed; then the proxy runs as it is.
+// operator's: schedtrace=0 turns this off). It returns only if there was
+// nothing to do or the exec failed; then the proxy runs as it is.
 func keepSysmonAwake() error {
 	env, again := withSysmonAwake(os.Environ())
 	if !again {
