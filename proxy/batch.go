@@ -4,7 +4,6 @@ package proxy
 
 import (
 	"crypto/tls"
-	"encoding/binary"
 	"math"
 	"net"
 	"sync"
@@ -191,41 +190,4 @@ func newBatchedTLS(raw net.Conn, client bool, wrap func(net.Conn) *tls.Conn) *ba
 	t.timer = time.AfterFunc(time.Duration(math.MaxInt64), t.sendDeferred)
 	t.timer.Stop()
 	return t
-}
-
-// frameCursor follows the HTTP/2 frame boundaries (RFC 9113, section 4.1)
-// in what HTTP/2 writes; a frame may be split across writes.
-type frameCursor struct {
-	rest   int // bytes of the current frame (or the preface) still to come
-	header [frameHeaderLen]byte
-	got    int // bytes of a split frame header seen
-}
-
-const frameHeaderLen = 9
-
-// advance moves over p and reports whether p is whole WINDOW_UPDATE frames
-// of routine increments (at most maxDeferredIncrement) and nothing else.
-func (c *frameCursor) advance(p []byte) (routineUpdatesOnly bool) {
-	routineUpdatesOnly = len(p) > 0 && c.rest == 0 && c.got == 0
-	for len(p) > 0 {
-		if c.rest > 0 {
-			n := min(c.rest, len(p))
-			c.rest -= n
-			p = p[n:]
-			continue
-		}
-		n := copy(c.header[c.got:], p)
-		c.got += n
-		p = p[n:]
-		if c.got < frameHeaderLen {
-			return false
-		}
-		c.got = 0
-		c.rest = int(c.header[0])<<16 | int(c.header[1])<<8 | int(c.header[2])
-		if http2.FrameType(c.header[3]) != http2.FrameWindowUpdate || c.rest != 4 || len(p) < 4 ||
-			binary.BigEndian.Uint32(p)&(1<<31-1) > maxDeferredIncrement {
-			routineUpdatesOnly = false
-		}
-	}
-	return routineUpdatesOnly && c.rest == 0
 }

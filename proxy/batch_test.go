@@ -21,59 +21,6 @@ import (
 	"golang.org/x/net/http2"
 )
 
-// TestFrameCursor: the cursor finds the writes that are WINDOW_UPDATE
-// frames alone, however HTTP/2's buffered writer cuts frames.
-func TestFrameCursor(t *testing.T) {
-	frames := func(write func(*http2.Framer)) []byte {
-		var b bytes.Buffer
-		write(http2.NewFramer(&b, nil))
-		return b.Bytes()
-	}
-	update := frames(func(f *http2.Framer) { f.WriteWindowUpdate(0, 4096); f.WriteWindowUpdate(1, 4096) })
-	opening := frames(func(f *http2.Framer) { f.WriteWindowUpdate(0, 8<<20-65535) })
-	data := frames(func(f *http2.Framer) { f.WriteData(1, false, make([]byte, 3000)) })
-	settings := frames(func(f *http2.Framer) { f.WriteSettings() })
-	ping := frames(func(f *http2.Framer) { f.WritePing(false, [8]byte{}) })
-	preface := []byte(http2.ClientPreface)
-
-	for _, c := range []struct {
-		name   string
-		client bool
-		writes [][]byte
-		want   []bool
-	}{
-		{"updates alone", false, [][]byte{update, update[:13]}, []bool{true, true}},
-		{"updates with data", false, [][]byte{append(bytes.Clone(update), data...), data}, []bool{false, false}},
-		{"other control frames", false, [][]byte{settings, ping}, []bool{false, false}},
-		{"a large update", false, [][]byte{opening, append(bytes.Clone(update), opening...)}, []bool{false, false}},
-		{"a frame split across writes", false,
-			[][]byte{data[:5], data[5:100], data[100:], update},
-			[]bool{false, false, false, true}},
-		{"a header split across writes", false,
-			[][]byte{update[:4], update[4:]},
-			[]bool{false, false}},
-		{"updates after a split header", false,
-			[][]byte{data[:4], data[4:], update},
-			[]bool{false, false, true}},
-		{"the client's preface is no frame", true,
-			[][]byte{append(bytes.Clone(preface), settings...), update},
-			[]bool{false, true}},
-		{"the preface read as frames", false,
-			[][]byte{preface},
-			[]bool{false}},
-	} {
-		var cursor frameCursor
-		if c.client {
-			cursor.rest = len(http2.ClientPreface)
-		}
-		for i, w := range c.writes {
-			if got := cursor.advance(w); got != c.want[i] {
-				t.Errorf("%s: write %d: %v, want %v", c.name, i, got, c.want[i])
-			}
-		}
-	}
-}
-
 // TestWindowUpdatesRideAlong: on a real HBONE tunnel over TLS, 64 request/
 // response pairs of 1 KiB cost one TCP write per message at each end:
 // the WINDOW_UPDATEs x/net makes every 4 KiB read leave with the next
@@ -194,7 +141,7 @@ func TestDeferredUpdatesKeepTheOrder(t *testing.T) {
 
 // batchedPair is both ends of a TLS connection over a and b, each a
 // batchedTLS, after the handshake; a is the HTTP/2 client if h2Client.
-func batchedPair(t *testing.T, a, b net.Conn, h2Client bool) (*batchedTLS, *batchedTLS) {
+func batchedPair(t testing.TB, a, b net.Conn, h2Client bool) (*batchedTLS, *batchedTLS) {
 	serverConfig := selfSignedTLS(t)
 	client := newBatchedTLS(a, h2Client, func(c net.Conn) *tls.Conn {
 		// Only the write path is under test here; hbone_test.go checks identities.
@@ -222,7 +169,7 @@ func (c *countingConn) Write(p []byte) (int, error) {
 	return c.Conn.Write(p)
 }
 
-func selfSignedTLS(t *testing.T) *tls.Config {
+func selfSignedTLS(t testing.TB) *tls.Config {
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	must(t, err)
 	template := &x509.Certificate{SerialNumber: big.NewInt(1), NotAfter: time.Now().Add(time.Hour)}

@@ -28,13 +28,11 @@ const (
 	maxStreamsPerConnection = 100
 	// h2IdleTimeout closes an HBONE connection without streams.
 	h2IdleTimeout = 60 * time.Second
-	// h2FrameSize is the largest frame each side accepts: HTTP/2's
-	// initial size. What the server announces matters: x/net's client
-	// holds a write buffer of the peer's frame size for each open tunnel,
-	// idle or not (64 KiB frames cost an idle tunnel 48 KiB more). The
-	// client's is the same for symmetry. The first tunnel
-	// on a connection usually wrote 16 KiB frames anyway: it starts before
-	// the peer's settings arrive.
+	// h2FrameSize is the largest frame each side accepts, HTTP/2's
+	// initial size, and the largest our client sends whatever the server
+	// allows: x/net's client holds a write buffer of that size for each
+	// open tunnel, idle or not (frameSizeClamp; 64 KiB frames cost an idle
+	// tunnel 48 KiB more).
 	h2FrameSize = 16 << 10
 )
 
