@@ -44,9 +44,10 @@ const (
 // kind of pods not enrolled (plain: direct TCP), one TLS 1.3 connection
 // between the two namespaces of the pods not enrolled (tls: crypto/tls, the
 // same library and key type as the proxies'), those pods through the
-// reference relay (relay, see serveRelay: what a Go agent on this path
-// costs at the least), and enrolled -> not enrolled (plain-via-proxy: the
-// source's proxy relays plain TCP):
+// reference relay (see serveRelay: what a Go agent on this path costs at
+// the least) run in the nodes' namespaces (relay) and in the proxies' pods
+// (relay-in-pods, the proxies' place), and enrolled -> not enrolled
+// (plain-via-proxy: the source's proxy relays plain TCP):
 //
 //   - throughput of one TCP stream (MB/s);
 //   - 1 KiB request/response latency on an open connection (p50, p99);
@@ -70,7 +71,8 @@ func BenchmarkMTLS(b *testing.B) {
 		serveBench(b, p)
 	}
 	tlsConfig := serveTLS(b, bplain)
-	serveRelay(b, na, nb, bplain)
+	serveRelay(b, nodeHost(na), nodeHost(nb), bplain)
+	serveRelay(b, proxyPodHost(na), proxyPodHost(nb), bplain)
 	paths := []struct {
 		name string
 		from *bedPod
@@ -82,6 +84,7 @@ func BenchmarkMTLS(b *testing.B) {
 		{"plain", aplain, bplain.ip4, sinkPort, false},
 		{"tls", aplain, bplain.ip4, tlsPort, true},
 		{"relay", aplain, na.ns.Addr4, sinkPort, false},
+		{"relay-in-pods", aplain, na.proxyPod.ip4, sinkPort, false},
 		{"plain-via-proxy", a1, bplain.ip4, sinkPort, false},
 	}
 	dial := func(b *testing.B, from *bedPod, to netip.Addr, port uint16, useTLS bool) net.Conn {
@@ -154,8 +157,8 @@ func BenchmarkMTLS(b *testing.B) {
 
 	b.Run("connections", func(b *testing.B) {
 		for _, p := range paths {
-			if p.tls || p.name == "relay" {
-				continue // neither listens on the accept port
+			if p.tls || strings.HasPrefix(p.name, "relay") {
+				continue // none listens on the accept port
 			}
 			// Four clients at a time: what the proxies sustain, not one
 			// client's round trips.
@@ -328,21 +331,32 @@ func TestMain(m *testing.M) {
 }
 
 // serveRelay runs the simplest relay a Go mTLS agent could be, as two
-// processes like the proxies: node from takes plain TCP on its address at
-// the sink and ping ports, and relays each connection over its own TLS 1.3
-// connection to node to, which relays it as plain TCP to the same port of
-// dst. The same three TCP connections, one encryption and one process
-// per node as the proxies' path, without capture, HTTP/2, identities,
-// record batching or metrics: what the proxies' figures compare with.
-func serveRelay(t testing.TB, from, to *bedNode, dst *bedPod) {
-	pemData := selfSigned(t, to.ns.Addr4)
+// processes like the proxies: one in the namespace from takes plain TCP on
+// its address at the sink and ping ports, and relays each connection over
+// its own TLS 1.3 connection to the one in to, which relays it as plain
+// TCP to the same port of dst. The same three TCP connections, one
+// encryption and one process per node as the proxies' path, without
+// capture, HTTP/2, identities, record batching or metrics: what the
+// proxies' figures compare with.
+func serveRelay(t testing.TB, from, to relayHost, dst *bedPod) {
+	pemData := selfSigned(t, to.addr)
 	pemFile := filepath.Join(t.TempDir(), "relay.pem")
 	must(t, os.WriteFile(pemFile, pemData, 0o600))
-	exit := netip.AddrPortFrom(to.ns.Addr4, relayPort)
-	startRelay(t, to.ns.Name, "exit", exit.String(), dst.ip4.String(), pemFile)
-	startRelay(t, from.ns.Name, "entry", netip.AddrPortFrom(from.ns.Addr4, sinkPort).String()+","+
-		netip.AddrPortFrom(from.ns.Addr4, pingPort).String(), exit.String(), pemFile)
+	exit := netip.AddrPortFrom(to.addr, relayPort)
+	startRelay(t, to.netns, "exit", exit.String(), dst.ip4.String(), pemFile)
+	startRelay(t, from.netns, "entry", netip.AddrPortFrom(from.addr, sinkPort).String()+","+
+		netip.AddrPortFrom(from.addr, pingPort).String(), exit.String(), pemFile)
 }
+
+// relayHost is where one of a relay's processes runs: a node's namespace,
+// or the proxy pod's (where the CFP puts the agent, one veth further).
+type relayHost struct {
+	netns string
+	addr  netip.Addr
+}
+
+func nodeHost(n *bedNode) relayHost     { return relayHost{n.ns.Name, n.ns.Addr4} }
+func proxyPodHost(n *bedNode) relayHost { return relayHost{n.proxyPod.ns.Name, n.proxyPod.ip4} }
 
 // startRelay starts a relay process in the namespace netns and waits until
 // it listens; it is killed at the end of the test.
