@@ -13,7 +13,6 @@ import (
 	"math/big"
 	"net"
 	"net/http"
-	"net/netip"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -51,8 +50,7 @@ func TestWindowUpdatesRideAlong(t *testing.T) {
 		})})
 	cc, err := newHBONETransport().NewClientConn(client)
 	must(t, err)
-	tunnel, err := openTunnel(cc, "10.0.0.1:80", forwardedFor(netip.MustParseAddrPort("10.0.0.2:1234")))
-	must(t, err)
+	tunnel := openTestTunnel(t, cc)
 	t.Cleanup(func() { tunnel.Close() })
 
 	const messages = 64

@@ -10,7 +10,6 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
-	"net/netip"
 	"runtime"
 	"sync"
 	"testing"
@@ -194,14 +193,11 @@ func TestClientSendsSmallFrames(t *testing.T) {
 		})})
 	cc, err := newHBONETransport().NewClientConn(client)
 	must(t, err)
-	src := forwardedFor(netip.MustParseAddrPort("10.0.0.2:1234"))
 	// The first tunnel's answer comes after the server's settings.
-	first, err := openTunnel(cc, "10.0.0.1:80", src)
-	must(t, err)
+	first := openTestTunnel(t, cc)
 	first.CloseWrite()
 	<-drained
-	second, err := openTunnel(cc, "10.0.0.1:80", src)
-	must(t, err)
+	second := openTestTunnel(t, cc)
 	payload := make([]byte, 200<<10)
 	if _, err := second.Write(payload); err != nil {
 		t.Fatal(err)
@@ -286,10 +282,8 @@ func idleTunnelHeap(b *testing.B, clamped bool, tunnels int) float64 {
 		})})
 	cc, err := newHBONETransport().NewClientConn(client)
 	must(b, err)
-	src := forwardedFor(netip.MustParseAddrPort("10.0.0.2:1234"))
 	open := func() *clientStream {
-		s, err := openTunnel(cc, "10.0.0.1:80", src)
-		must(b, err)
+		s := openTestTunnel(b, cc)
 		if _, err := s.Write([]byte{1}); err != nil {
 			b.Fatal(err)
 		}

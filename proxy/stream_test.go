@@ -34,8 +34,7 @@ func TestStreamsWaitWithoutABuffer(t *testing.T) {
 	t.Cleanup(func() { close(handled) })
 	cc, err := newHBONETransport().NewClientConn(clientSide)
 	must(t, err)
-	client, err := openTunnel(cc, "10.0.0.1:80", forwardedFor(netip.MustParseAddrPort("10.0.0.2:1234")))
-	must(t, err)
+	client := openTestTunnel(t, cc)
 	t.Cleanup(func() { client.Close() })
 	server := <-accepted
 
@@ -79,4 +78,13 @@ func TestStreamsWaitWithoutABuffer(t *testing.T) {
 			t.Fatalf("%s: read %d %v after the end, want EOF", c.name, n, err)
 		}
 	}
+}
+
+// openTestTunnel opens a tunnel on cc; its addresses only name it, nothing
+// dials them.
+func openTestTunnel(t testing.TB, cc *http2.ClientConn) *clientStream {
+	t.Helper()
+	s, err := openTunnel(cc, "10.0.0.1:80", forwardedFor(netip.MustParseAddrPort("10.0.0.2:1234")))
+	must(t, err)
+	return s
 }
