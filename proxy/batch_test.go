@@ -4,13 +4,8 @@ package proxy
 
 import (
 	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"sync/atomic"
@@ -18,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/net/http2"
+
+	"github.com/mtlsbridge/mtlsbridge/identity"
 )
 
 // TestWindowUpdatesRideAlong: on a real HBONE tunnel over TLS, 64 request/
@@ -90,15 +87,9 @@ func TestDeferredUpdatesKeepTheOrder(t *testing.T) {
 	writerSide, readerSide := net.Pipe()
 	t.Cleanup(func() { writerSide.Close(); readerSide.Close() })
 	writer, reader := batchedPair(t, writerSide, readerSide, false)
-	var b bytes.Buffer
-	f := http2.NewFramer(&b, nil)
-	f.WriteWindowUpdate(0, 4096)
-	f.WriteWindowUpdate(3, 4096)
-	update := bytes.Clone(b.Bytes())
-	b.Reset()
+	update := framed(func(f *http2.Framer) { f.WriteWindowUpdate(0, 4096); f.WriteWindowUpdate(3, 4096) })
 	payload := bytes.Repeat([]byte("0123456789"), 300)
-	f.WriteData(3, false, payload)
-	data := bytes.Clone(b.Bytes())
+	data := framed(func(f *http2.Framer) { f.WriteData(3, false, payload) })
 
 	wrote := make(chan error, 1)
 	go func() {
@@ -140,7 +131,12 @@ func TestDeferredUpdatesKeepTheOrder(t *testing.T) {
 // batchedPair is both ends of a TLS connection over a and b, each a
 // batchedTLS, after the handshake; a is the HTTP/2 client if h2Client.
 func batchedPair(t testing.TB, a, b net.Conn, h2Client bool) (*batchedTLS, *batchedTLS) {
-	serverConfig := selfSignedTLS(t)
+	// The server's certificate: a CA root, as the node agent makes one.
+	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
+	must(t, err)
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	must(t, err)
+	serverConfig := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS13}
 	client := newBatchedTLS(a, h2Client, func(c net.Conn) *tls.Conn {
 		// Only the write path is under test here; hbone_test.go checks identities.
 		return tls.Client(c, &tls.Config{InsecureSkipVerify: true, MinVersion: tls.VersionTLS13})
@@ -165,16 +161,4 @@ type countingConn struct {
 func (c *countingConn) Write(p []byte) (int, error) {
 	c.writes.Add(1)
 	return c.Conn.Write(p)
-}
-
-func selfSignedTLS(t testing.TB) *tls.Config {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	must(t, err)
-	template := &x509.Certificate{SerialNumber: big.NewInt(1), NotAfter: time.Now().Add(time.Hour)}
-	der, err := x509.CreateCertificate(rand.Reader, template, template, key.Public(), key)
-	must(t, err)
-	return &tls.Config{
-		Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}},
-		MinVersion:   tls.VersionTLS13,
-	}
 }

@@ -21,16 +21,11 @@ import (
 // TestFrameCursor: the cursor finds the writes that are WINDOW_UPDATE
 // frames alone, however HTTP/2's buffered writer cuts frames.
 func TestFrameCursor(t *testing.T) {
-	frames := func(write func(*http2.Framer)) []byte {
-		var b bytes.Buffer
-		write(http2.NewFramer(&b, nil))
-		return b.Bytes()
-	}
-	update := frames(func(f *http2.Framer) { f.WriteWindowUpdate(0, 4096); f.WriteWindowUpdate(1, 4096) })
-	opening := frames(func(f *http2.Framer) { f.WriteWindowUpdate(0, 8<<20-65535) })
-	data := frames(func(f *http2.Framer) { f.WriteData(1, false, make([]byte, 3000)) })
-	settings := frames(func(f *http2.Framer) { f.WriteSettings() })
-	ping := frames(func(f *http2.Framer) { f.WritePing(false, [8]byte{}) })
+	update := framed(func(f *http2.Framer) { f.WriteWindowUpdate(0, 4096); f.WriteWindowUpdate(1, 4096) })
+	opening := framed(func(f *http2.Framer) { f.WriteWindowUpdate(0, 8<<20-65535) })
+	data := framed(func(f *http2.Framer) { f.WriteData(1, false, make([]byte, 3000)) })
+	settings := framed(func(f *http2.Framer) { f.WriteSettings() })
+	ping := framed(func(f *http2.Framer) { f.WritePing(false, [8]byte{}) })
 	preface := []byte(http2.ClientPreface)
 
 	for _, c := range []struct {
@@ -83,23 +78,22 @@ func TestFrameSizeClamp(t *testing.T) {
 			}
 			return v
 		}
-		var b bytes.Buffer
-		f := http2.NewFramer(&b, nil)
-		f.WriteSettings(http2.Setting{ID: http2.SettingHeaderTableSize, Val: 1 << 20},
-			http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(1 << 20)})
-		// Data that reads like a frame-size setting must stay as it is.
-		f.WriteData(1, false, bytes.Repeat([]byte{0, 5, 0, 16, 0, 0}, 20))
-		f.WriteSettingsAck()
-		f.WriteSettings(http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(h2FrameSize)},
-			http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(h2FrameSize + 1)},
-			http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(maxFrameSize)},
-			// Invalid: the client must see it and reject the frame.
-			http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(maxFrameSize + 1)})
-		// A SETTINGS frame that is not whole settings, then one that is.
-		f.WriteRawFrame(http2.FrameSettings, 0, 0, []byte{0, 5, 0, 16, 0, 0, 7})
-		f.WriteSettings(http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(20000)})
-		f.WriteWindowUpdate(0, 1<<20)
-		return b.Bytes()
+		return framed(func(f *http2.Framer) {
+			f.WriteSettings(http2.Setting{ID: http2.SettingHeaderTableSize, Val: 1 << 20},
+				http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(1 << 20)})
+			// Data that reads like a frame-size setting must stay as it is.
+			f.WriteData(1, false, bytes.Repeat([]byte{0, 5, 0, 16, 0, 0}, 20))
+			f.WriteSettingsAck()
+			f.WriteSettings(http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(h2FrameSize)},
+				http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(h2FrameSize + 1)},
+				http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(maxFrameSize)},
+				// Invalid: the client must see it and reject the frame.
+				http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(maxFrameSize + 1)})
+			// A SETTINGS frame that is not whole settings, then one that is.
+			f.WriteRawFrame(http2.FrameSettings, 0, 0, []byte{0, 5, 0, 16, 0, 0, 7})
+			f.WriteSettings(http2.Setting{ID: http2.SettingMaxFrameSize, Val: size(20000)})
+			f.WriteWindowUpdate(0, 1<<20)
+		})
 	}
 	announced, want := stream(false), stream(true)
 
@@ -307,4 +301,11 @@ func idleTunnelHeap(b *testing.B, clamped bool, tunnels int) float64 {
 		s.Close()
 	}
 	return float64(after.HeapInuse-before.HeapInuse) / float64(tunnels)
+}
+
+// framed is what write makes x/net's framer write.
+func framed(write func(*http2.Framer)) []byte {
+	var b bytes.Buffer
+	write(http2.NewFramer(&b, nil))
+	return b.Bytes()
 }
