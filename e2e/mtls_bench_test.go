@@ -367,7 +367,7 @@ func startRelay(t testing.TB, netns, role, listen, to, pemFile string) {
 	// One thread, as the proxies take on this 2-core testbed, and the
 	// runtime's monitor kept awake, as the proxies keep it
 	// (cmd/mtlsbridge-proxy/sysmon.go).
-	cmd.Env = append(os.Environ(), "GOMAXPROCS=1", "GODEBUG=schedtrace=2147483647",
+	cmd.Env = append(os.Environ(), "GOMAXPROCS=1", "GODEBUG="+sysmonAwake,
 		relayEnv+"="+role, relayEnv+"_LISTEN="+listen, relayEnv+"_TO="+to, relayEnv+"_PEM="+pemFile)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()

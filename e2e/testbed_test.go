@@ -360,6 +360,10 @@ func (n *bedNode) waitProxyReady() {
 	})
 }
 
+// sysmonAwake is the GODEBUG setting the proxy runs with
+// (cmd/mtlsbridge-proxy/sysmon.go).
+const sysmonAwake = "schedtrace=2147483647"
+
 // expectSysmonAwake checks that the proxy runs with the Go runtime's
 // monitor kept out of its deep sleep (cmd/mtlsbridge-proxy/sysmon.go),
 // which it does by executing itself again: the environment of its
@@ -369,7 +373,7 @@ func (n *bedNode) expectSysmonAwake(t *testing.T) {
 	environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", n.proxy.cmd.Process.Pid))
 	must(t, err)
 	for kv := range strings.SplitSeq(string(environ), "\x00") {
-		if v, ok := strings.CutPrefix(kv, "GODEBUG="); ok && slices.Contains(strings.Split(v, ","), "schedtrace=2147483647") {
+		if v, ok := strings.CutPrefix(kv, "GODEBUG="); ok && slices.Contains(strings.Split(v, ","), sysmonAwake) {
 			return
 		}
 	}
