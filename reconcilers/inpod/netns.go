@@ -11,7 +11,6 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
-	"golang.org/x/sys/unix"
 
 	"github.com/mtlsbridge/mtlsbridge/zds"
 )
@@ -54,7 +53,7 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 	// PID 1's is the node's when the agent sees the node's processes. When
 	// the agent is PID 1, that is its main thread's (see ownNetns).
 	if os.Getpid() != 1 {
-		if pid1, err := (netlinkTarget{}).Identify("/proc/1/ns/net"); err == nil && pid1 == id {
+		if pid1, err := statNetns("/proc/1/ns/net"); err == nil && pid1 == id {
 			return fmt.Errorf("%w: %s is PID 1's", ErrNodeNetns, f.Name())
 		}
 	}
@@ -95,12 +94,12 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 func ownNetns() (NetnsID, error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	var st unix.Stat_t
-	if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
+	id, err := statNetns("/proc/thread-self/ns/net")
+	if err != nil {
 		// %v: this is no sign that the pod's namespace is gone.
 		return NetnsID{}, fmt.Errorf("the agent's own network namespace: %v", err)
 	}
-	return NetnsID{Dev: st.Dev, Ino: st.Ino}, nil
+	return id, nil
 }
 
 // inPodNetns opens the pod's namespace and runs fn with its handle.

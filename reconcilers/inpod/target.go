@@ -64,11 +64,10 @@ func (netlinkTarget) Apply(r *Redirection) (NetnsID, error) {
 }
 
 func (netlinkTarget) Identify(path string) (NetnsID, error) {
-	var st unix.Stat_t
-	err := unix.Stat(path, &st)
+	id, err := statNetns(path)
 	switch {
 	case err == nil:
-		return NetnsID{Dev: st.Dev, Ino: st.Ino}, nil
+		return id, nil
 	case errors.Is(err, unix.ENOTDIR), errors.Is(err, unix.ENAMETOOLONG), errors.Is(err, unix.ELOOP):
 		// A path that can name nothing names no namespace either.
 		return NetnsID{}, fmt.Errorf("stat %s: %v: %w", path, err, os.ErrNotExist)
@@ -123,6 +122,16 @@ func (netlinkTarget) Open(path string, ips []netip.Addr) (*os.File, error) {
 	return openPodNetns(path, ips)
 }
 
+// statNetns is the identity of what path names now; the error is stat's.
+func statNetns(path string) (NetnsID, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return NetnsID{}, err
+	}
+	return NetnsID{Dev: st.Dev, Ino: st.Ino}, nil
+}
+
+// netnsID is the identity of the namespace h holds open.
 func netnsID(h netns.NsHandle) (NetnsID, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(int(h), &st); err != nil {
