@@ -20,28 +20,15 @@ import (
 // and labels; each keeps its own name.
 func TestPodsShareTheirCommonStrings(t *testing.T) {
 	replica := func(name string) *corev1.Pod {
-		var pod corev1.Pod
-		wire := `{"metadata": {"namespace": "team-1", "name": "` + name + `", "labels": {"app": "web", "pod-template-hash": "7d9f8b6c5"}},
-			"spec": {"nodeName": "ip-10-0-1-23.ec2.internal", "serviceAccountName": "web"}, "status": {"phase": "Running"}}`
-		if err := json.Unmarshal([]byte(wire), &pod); err != nil {
-			t.Fatal(err)
-		}
-		return &pod
+		return decodePod(t, `{"metadata": {"namespace": "team-1", "name": "`+name+`", "labels": {"app": "web", "pod-template-hash": "7d9f8b6c5"}},
+			"spec": {"nodeName": "ip-10-0-1-23.ec2.internal", "serviceAccountName": "web"}, "status": {"phase": "Running"}}`)
 	}
 	// Held, so that a garbage collection in between cannot make the
 	// runtime forget the shared copy (interning keeps no handle).
 	held := []unique.Handle[string]{unique.Make("team-1"), unique.Make("ip-10-0-1-23.ec2.internal"), unique.Make("web"), unique.Make("Running"),
 		unique.Make("app\x00web\x00pod-template-hash\x007d9f8b6c5")}
 	apiA, apiB := replica("web-7d9f8b6c5-aaaaa"), replica("web-7d9f8b6c5-bbbbb")
-	a, err := podFromK8s(apiA)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := podFromK8s(apiB)
-	if err != nil {
-		t.Fatal(err)
-	}
-	same := func(x, y string) bool { return unsafe.StringData(x) == unsafe.StringData(y) }
+	a, b := convertPod(t, apiA), convertPod(t, apiB)
 	for _, f := range []struct {
 		field string
 		a, b  string
@@ -52,14 +39,14 @@ func TestPodsShareTheirCommonStrings(t *testing.T) {
 		{"phase", a.Phase, b.Phase},
 		{"labels", labelValue(a, "app"), labelValue(b, "app")},
 	} {
-		if f.a != f.b || !same(f.a, f.b) {
+		if !sameText(f.a, f.b) {
 			t.Errorf("%s: %q and %q are separate copies, want one shared", f.field, f.a, f.b)
 		}
 	}
-	if same(apiA.Namespace, apiB.Namespace) {
+	if sameText(apiA.Namespace, apiB.Namespace) {
 		t.Fatal("the decoder shared the namespace itself: the test shows nothing")
 	}
-	if !same(a.Name, apiA.Name) {
+	if !sameText(a.Name, apiA.Name) {
 		t.Error("the name was copied: each pod has its own, nothing to share")
 	}
 	runtime.KeepAlive(held)
@@ -76,17 +63,8 @@ func labelValue(p *tables.Pod, key string) string {
 // its row takes the text of its previous row where it did not change.
 func TestUpdatesKeepSharedText(t *testing.T) {
 	replica := func(name, phase string) *tables.Pod {
-		var pod corev1.Pod
-		wire := `{"metadata": {"namespace": "team-keep", "name": "` + name + `", "labels": {"app": "keep"}},
-			"spec": {"nodeName": "node-keep", "serviceAccountName": "keep"}, "status": {"phase": "` + phase + `"}}`
-		if err := json.Unmarshal([]byte(wire), &pod); err != nil {
-			t.Fatal(err)
-		}
-		row, err := podFromK8s(&pod)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return row
+		return convertPod(t, decodePod(t, `{"metadata": {"namespace": "team-keep", "name": "`+name+`", "labels": {"app": "keep"}},
+			"spec": {"nodeName": "node-keep", "serviceAccountName": "keep"}, "status": {"phase": "`+phase+`"}}`))
 	}
 	previous := replica("keep-b", "Pending")
 	// A collection sweeps the interned copies no handle refers to: the
@@ -94,7 +72,6 @@ func TestUpdatesKeepSharedText(t *testing.T) {
 	runtime.GC()
 	merge := podSink(nil, newIdentities(nil)).opts.Merge
 	updated := merge(previous, true, replica("keep-b", "Running"))
-	same := func(x, y string) bool { return x == y && unsafe.StringData(x) == unsafe.StringData(y) }
 	for _, f := range []struct {
 		field string
 		a, b  string
@@ -104,7 +81,7 @@ func TestUpdatesKeepSharedText(t *testing.T) {
 		{"service account", previous.ServiceAccount, updated.ServiceAccount},
 		{"labels", labelValue(previous, "app"), labelValue(updated, "app")},
 	} {
-		if !same(f.a, f.b) {
+		if !sameText(f.a, f.b) {
 			t.Errorf("%s: the update has a copy of its own, want its previous row's (shared with replicas)", f.field)
 		}
 	}
@@ -112,3 +89,23 @@ func TestUpdatesKeepSharedText(t *testing.T) {
 		t.Errorf("phase %q after the update, want Running", updated.Phase)
 	}
 }
+
+// decodePod decodes a pod as client-go does: with strings of its own.
+func decodePod(t *testing.T, wire string) *corev1.Pod {
+	var pod corev1.Pod
+	if err := json.Unmarshal([]byte(wire), &pod); err != nil {
+		t.Fatal(err)
+	}
+	return &pod
+}
+
+func convertPod(t *testing.T, pod *corev1.Pod) *tables.Pod {
+	row, err := podFromK8s(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return row
+}
+
+// sameText says whether x and y are one copy of the same text.
+func sameText(x, y string) bool { return x == y && unsafe.StringData(x) == unsafe.StringData(y) }
