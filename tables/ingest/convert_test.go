@@ -29,20 +29,7 @@ func TestPodsShareTheirCommonStrings(t *testing.T) {
 		unique.Make("app\x00web\x00pod-template-hash\x007d9f8b6c5")}
 	apiA, apiB := replica("web-7d9f8b6c5-aaaaa"), replica("web-7d9f8b6c5-bbbbb")
 	a, b := convertPod(t, apiA), convertPod(t, apiB)
-	for _, f := range []struct {
-		field string
-		a, b  string
-	}{
-		{"namespace", a.Namespace, b.Namespace},
-		{"node", a.NodeName, b.NodeName},
-		{"service account", a.ServiceAccount, b.ServiceAccount},
-		{"phase", a.Phase, b.Phase},
-		{"labels", labelValue(a, "app"), labelValue(b, "app")},
-	} {
-		if !sameText(f.a, f.b) {
-			t.Errorf("%s: %q and %q are separate copies, want one shared", f.field, f.a, f.b)
-		}
-	}
+	expectSharedText(t, a, b, "namespace", "node", "service account", "phase", "labels")
 	if sameText(apiA.Namespace, apiB.Namespace) {
 		t.Fatal("the decoder shared the namespace itself: the test shows nothing")
 	}
@@ -52,10 +39,23 @@ func TestPodsShareTheirCommonStrings(t *testing.T) {
 	runtime.KeepAlive(held)
 }
 
-// labelValue is a value as Lookup returns it: a slice of the labels' text.
-func labelValue(p *tables.Pod, key string) string {
-	v, _ := p.Labels.Lookup(key)
-	return v
+// expectSharedText checks that a and b hold one copy of each field's text
+// (labels: the value of "app", a slice of the labels' text as Lookup
+// returns it).
+func expectSharedText(t *testing.T, a, b *tables.Pod, fields ...string) {
+	t.Helper()
+	text := map[string]func(*tables.Pod) string{
+		"namespace":       func(p *tables.Pod) string { return p.Namespace },
+		"node":            func(p *tables.Pod) string { return p.NodeName },
+		"service account": func(p *tables.Pod) string { return p.ServiceAccount },
+		"phase":           func(p *tables.Pod) string { return p.Phase },
+		"labels":          func(p *tables.Pod) string { v, _ := p.Labels.Lookup("app"); return v },
+	}
+	for _, field := range fields {
+		if x, y := text[field](a), text[field](b); !sameText(x, y) {
+			t.Errorf("%s: %q and %q are separate copies, want one shared", field, x, y)
+		}
+	}
 }
 
 // TestUpdatesKeepSharedText: a pod updated after a garbage collection (when
@@ -72,19 +72,8 @@ func TestUpdatesKeepSharedText(t *testing.T) {
 	runtime.GC()
 	merge := podSink(nil, newIdentities(nil)).opts.Merge
 	updated := merge(previous, true, replica("keep-b", "Running"))
-	for _, f := range []struct {
-		field string
-		a, b  string
-	}{
-		{"namespace", previous.Namespace, updated.Namespace},
-		{"node", previous.NodeName, updated.NodeName},
-		{"service account", previous.ServiceAccount, updated.ServiceAccount},
-		{"labels", labelValue(previous, "app"), labelValue(updated, "app")},
-	} {
-		if !sameText(f.a, f.b) {
-			t.Errorf("%s: the update has a copy of its own, want its previous row's (shared with replicas)", f.field)
-		}
-	}
+	// The previous row's text is the one its replicas share.
+	expectSharedText(t, previous, updated, "namespace", "node", "service account", "labels")
 	if updated.Phase != "Running" {
 		t.Errorf("phase %q after the update, want Running", updated.Phase)
 	}
