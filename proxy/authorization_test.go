@@ -77,7 +77,6 @@ func TestAuthorize(t *testing.T) {
 // TestPoliciesApply: GLOBAL everywhere, NAMESPACE in its namespace,
 // WORKLOAD_SELECTOR only where the workload names it.
 func TestPoliciesApply(t *testing.T) {
-	s := proxy.NewState("node-a")
 	w := &proxy.Workload{Namespace: "app", Policies: []string{"app/sel"}}
 	for _, tc := range []struct {
 		p    *security.Authorization
@@ -89,7 +88,7 @@ func TestPoliciesApply(t *testing.T) {
 		{&security.Authorization{Name: "sel", Namespace: "app", Scope: security.Scope_WORKLOAD_SELECTOR}, true},
 		{&security.Authorization{Name: "unsel", Namespace: "app", Scope: security.Scope_WORKLOAD_SELECTOR}, false},
 	} {
-		s = proxy.NewState("node-a")
+		s := proxy.NewState("node-a")
 		proxy.PutPolicyForTest(s, tc.p.Namespace+"/"+tc.p.Name, tc.p)
 		if got := len(s.Policies(w)) == 1; got != tc.want {
 			t.Errorf("%s/%s applies: %v, want %v", tc.p.Namespace, tc.p.Name, got, tc.want)

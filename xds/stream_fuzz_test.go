@@ -238,10 +238,9 @@ func (fz *fuzzStream) sameAsGenerated(raw []byte, req request, err error) (malfo
 // model follows what the client itself knows of its Address subscription.
 func (fz *fuzzStream) model(req request) {
 	req.initial.read() // well-formed: sameAsGenerated read them
-	wildcard := fz.alwaysWildcard
 	if !fz.subscribed {
 		fz.subscribed = true
-		wildcard = len(req.GetResourceNamesSubscribe()) == 0 && len(req.GetResourceNamesUnsubscribe()) == 0
+		wildcard := len(req.GetResourceNamesSubscribe()) == 0 && len(req.GetResourceNamesUnsubscribe()) == 0
 		for name, v := range req.initial.held() {
 			fz.view[name] = strconv.FormatUint(v, 16)
 		}
