@@ -3,6 +3,7 @@
 package xds
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -43,8 +44,15 @@ type typeState struct {
 	claims claims
 }
 
-// interested reports whether the client wants a resource.
-func (t *typeState) interested(uid string) bool { return t.wildcard || t.resolved[uid] > 0 }
+// interested reports whether the client wants a resource: by wildcard,
+// by a name resolved to it, or by its uid subscribed before it existed.
+func (t *typeState) interested(uid string) bool {
+	if t.wildcard || t.resolved[uid] > 0 {
+		return true
+	}
+	_, named := t.names[uid]
+	return named
+}
 
 // resolve records that name means uid.
 func (t *typeState) resolve(name, uid string) {
@@ -89,6 +97,8 @@ type stream struct {
 	local      func(*workload.Workload) bool
 	localHBONE map[string]bool
 	pending    map[uint64][]sentWorkload
+	// pendingWorkloads counts the entries of pending's lists.
+	pendingWorkloads int
 	// alreadyHeld are this node's workloads the client holds at their
 	// current version, found while building a response.
 	alreadyHeld []sentWorkload
@@ -112,7 +122,10 @@ func (st *stream) run() error {
 	st.ctx = ctx
 	st.sendq = make(chan wireResponse, 1)
 	st.sendErr = make(chan error, 1)
-	reqs := make(chan request, 16)
+	// Unbuffered: a request waits decoded in the receiving goroutine only,
+	// so that a client whose responses wait (up to --xds-send-timeout)
+	// holds one request of --grpc-max-message-bytes here, not a queue.
+	reqs := make(chan request)
 	recvErr := make(chan error, 1)
 	go func() {
 		for {
@@ -256,14 +269,23 @@ func (st *stream) handle(req request) error {
 			st.record(func(c *Client) { c.NodeID = id })
 		}
 	}
+	// Every name subscribed is answered, also one subscribed already: the
+	// client may have forgotten it (xDS "Subscribing to Resources"), and
+	// ztunnel's on-demand lookups wait for the answer.
 	var added []string
 	for _, name := range req.GetResourceNamesSubscribe() {
 		if name == "*" {
 			ts.wildcard = true
-		} else if _, ok := ts.names[name]; !ok {
-			ts.names[name] = ""
-			added = append(added, name)
+			continue
 		}
+		if _, ok := ts.names[name]; !ok {
+			ts.names[name] = ""
+		}
+		added = append(added, name)
+	}
+	if len(added) > 1 {
+		slices.Sort(added)
+		added = slices.Compact(added)
 	}
 	for _, name := range req.GetResourceNamesUnsubscribe() {
 		if name == "*" {
@@ -275,11 +297,12 @@ func (st *stream) handle(req request) error {
 			ts.wildcard = false
 			continue
 		}
-		if uid := ts.names[name]; uid != "" && !ts.wildcard {
+		uid := cmp.Or(ts.names[name], name)
+		ts.drop(name)
+		// Held as long as another name still wants it.
+		if !ts.interested(uid) {
 			delete(ts.held, uid)
 		}
-		ts.drop(name)
-		delete(ts.held, name)
 	}
 	subscription := "*"
 	if !ts.wildcard {
@@ -357,6 +380,9 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		}
 		if err := ts.claims.read(); err != nil {
 			return err
+		}
+		if !ts.wildcard {
+			st.subscribeClaims(ts, txn)
 		}
 		removed, err = st.snapshot(ts, txn, ts.claims, true, func(yield func(*workload.Workload) bool) {
 			for c := range changes {
@@ -443,9 +469,7 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 		}
 		switch {
 		case !ts.interested(uid):
-			if had {
-				ts.held[uid] = version
-			}
+			// Not asked for.
 		case had && version == w.Version:
 			// The client holds this very version (it said so when it
 			// reconnected): it is acknowledged, though not sent again.
@@ -462,19 +486,41 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 			}
 		}
 	}
-	// Claims of workloads that are gone are removed. Usually there are
-	// none, and the claims are not looked at again.
+	// Claims that name no workload any more are removed. Usually there
+	// are none, and the claims are not looked at again.
 	var removed []string
 	if found < claimed.count() {
 		gone := map[string]bool{}
 		for _, name := range claimed.names {
-			if _, _, ok := st.srv.Workloads.Get(txn, workload.ByUID(name)); !ok && !gone[name] {
+			if st.resolve(txn, name) == nil && !gone[name] {
 				gone[name] = true
 				removed = append(removed, strings.Clone(name))
 			}
 		}
 	}
 	return removed, nil
+}
+
+// subscribeClaims subscribes the names an on-demand client's first request
+// claims to hold: ztunnel reconnecting names them there only, not again in
+// resource_names_subscribe, and wants their changes (istiod, too, keeps
+// them watched). The claims live only while the request is handled: the
+// names kept are the table's uids or copies.
+func (st *stream) subscribeClaims(ts *typeState, txn statedb.ReadTxn) {
+	for _, name := range ts.claims.names {
+		if _, ok := ts.names[name]; ok {
+			continue
+		}
+		w := st.resolve(txn, name)
+		switch {
+		case w == nil:
+			ts.names[strings.Clone(name)] = ""
+		case w.UID() == name:
+			ts.resolve(w.UID(), w.UID())
+		default:
+			ts.resolve(strings.Clone(name), w.UID())
+		}
+	}
 }
 
 // holdsExactly reports whether a wildcard client's first request claims
@@ -772,20 +818,35 @@ func (r *responses) queue(removed []string) (err error) {
 // acknowledged settles the Address responses up to nonce: the client
 // answers a type's responses in order, so older ones still pending were
 // answered already or never will be. An ACK records this node's workloads
-// the response carried.
+// the response carried. After a NACK the client's copy of them is unknown
+// (ztunnel applies the resources it does not reject): their rows go, and
+// the bypass check reports them until they are acknowledged again.
 func (st *stream) acknowledged(nonce string, ack bool) {
 	n, err := strconv.ParseUint(nonce, 10, 64)
 	if err != nil {
 		return
 	}
-	if sent, ok := st.pending[n]; ok && ack {
+	if sent, ok := st.pending[n]; ok {
+		if !ack {
+			unknown := make([]sentWorkload, len(sent))
+			for i, w := range sent {
+				unknown[i] = sentWorkload{uid: w.uid, removed: true}
+			}
+			sent = unknown
+		}
 		st.holds(sent)
 	}
-	for k := range st.pending {
+	for k, sent := range st.pending {
 		if k <= n {
-			delete(st.pending, k)
+			st.settle(k, sent)
 		}
 	}
+}
+
+// settle forgets a pending response.
+func (st *stream) settle(nonce uint64, sent []sentWorkload) {
+	delete(st.pending, nonce)
+	st.pendingWorkloads -= len(sent)
 }
 
 // holds records what the client now holds of this node's workloads.
@@ -827,15 +888,20 @@ func (st *stream) track(nonce uint64, typeURL string, out []outgoing, removed []
 	if st.pending == nil {
 		st.pending = map[uint64][]sentWorkload{}
 	}
-	// A client that never acknowledges must not grow this without end.
-	if len(st.pending) >= maxPending {
-		delete(st.pending, slices.Min(slices.Collect(maps.Keys(st.pending))))
-	}
 	st.pending[nonce] = sent
+	st.pendingWorkloads += len(sent)
+	// A client that never acknowledges must not grow this without end.
+	for st.pendingWorkloads > maxPendingWorkloads && len(st.pending) > 1 {
+		oldest := slices.Min(slices.Collect(maps.Keys(st.pending)))
+		st.settle(oldest, st.pending[oldest])
+	}
 }
 
-// maxPending bounds the responses a stream tracks until acknowledged.
-const maxPending = 64
+// maxPendingWorkloads bounds the workloads a stream tracks in responses not
+// yet acknowledged. Counted in workloads, not responses: a snapshot split
+// into a hundred responses carries each of this node's workloads once,
+// and its acknowledgements are read only once it is all queued.
+const maxPendingWorkloads = 1 << 14
 
 func truncate(s string, n int) string {
 	if len(s) > n {

@@ -376,8 +376,65 @@ func TestOnDemand(t *testing.T) {
 		t.Errorf("removed %v, want the unknown names", removed)
 	}
 	// Changes of other workloads are not pushed to an on-demand client.
-	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.30"))
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.9.9.9"))
 	z.quiet(300 * time.Millisecond)
+
+	// A name asked again is answered again, though subscribed already:
+	// ztunnel asks once per lookup and waits for the answer. The address
+	// answered unknown is db's now; web's, held, is sent again.
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"/10.9.9.9", "/10.0.1.10"}})
+	if got := names(z.recvType(xds.AddressType)); !slices.Equal(got, []string{"Kubernetes//Pod/app/db", webUID}) {
+		t.Errorf("answer to names asked again: %v, want db and web", got)
+	}
+
+	// Two names for web: dropping one keeps the other's subscription, so
+	// web's removal still reaches the client.
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{webUID}})
+	z.recvType(xds.AddressType)
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesUnsubscribe: []string{"/10.0.1.10"}})
+	editManifest(t, a, "cluster.yaml", "name: web,", "name: web2,")
+	if resp := z.recvType(xds.AddressType); !slices.Contains(resp.RemovedResources, webUID) {
+		t.Errorf("web deleted, push %v, want its removal", resp)
+	}
+}
+
+// ztunnel on demand reconnects naming what it holds in
+// initial_resource_versions only: those stay subscribed, their changes
+// are pushed, and what it holds unchanged is not sent again.
+func TestOnDemandReconnect(t *testing.T) {
+	a := startAgent(t)
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.subscribe(xds.AddressType, nil, true)
+	z.recvType(xds.AddressType)
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"/10.0.1.10"}})
+	held := map[string]string{}
+	for _, r := range z.recvType(xds.AddressType).Resources {
+		held[r.Name] = r.Version
+	}
+	z.cancel()
+
+	// Held as it is, and a uid of a pod that does not exist yet.
+	held["Kubernetes//Pod/app/db"] = "1"
+	z, err = connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.subscribe(xds.AddressType, held, true)
+	if resp := z.recvType(xds.AddressType); len(resp.Resources) != 0 || !slices.Equal(resp.RemovedResources, []string{"Kubernetes//Pod/app/db"}) {
+		t.Fatalf("reconnect answer %v, want db removed only", resp)
+	}
+	// The names it holds are followed: db once it exists, web's change.
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.30"))
+	if got := names(z.recvType(xds.AddressType)); !slices.Equal(got, []string{"Kubernetes//Pod/app/db"}) {
+		t.Errorf("db appeared, push %v, want db", got)
+	}
+	editManifest(t, a, "cluster.yaml", "serviceAccountName: web}", "serviceAccountName: web-v2}")
+	if got := names(z.recvType(xds.AddressType)); !slices.Equal(got, []string{webUID}) {
+		t.Errorf("web changed, push %v, want web", got)
+	}
 }
 
 // On demand, a pod of this node that the CNI plugin is starting: its
@@ -616,6 +673,93 @@ func manifestsFrom(t *testing.T, file string) string {
 	return manifests
 }
 
+// The xds-acks rows follow what the client acknowledged: every response
+// of an answer is acknowledged only once it is all sent (the stream reads
+// no request meanwhile), and a NACKed response leaves this node's
+// workloads it carried without a row (the client may hold them or not).
+func TestAcksFollowTheClient(t *testing.T) {
+	const local = 100 // this node's pods, one response each
+	var manifest strings.Builder
+	for i := range local {
+		fmt.Fprintf(&manifest, "---\napiVersion: v1\nkind: Pod\nmetadata: {name: p-%d, namespace: app}\n"+
+			"spec: {nodeName: node-a, serviceAccountName: sa}\nstatus: {phase: Running, podIPs: [{ip: 10.0.3.%d}]}\n", i, i)
+	}
+	a := agenttest.Start(t, manifestsFrom(t, "testdata/cluster.yaml"), nil, "--xds-coalesce=1ms", "--xds-max-resources-per-response=1")
+	a.WriteManifest(t, "local.yaml", manifest.String())
+	acks := func() map[string]bool {
+		rows := map[string]bool{}
+		txn := a.DB.ReadTxn()
+		for row := range (statedb.AnyTable{Meta: a.DB.GetTable(txn, xds.AcksTableName)}).All(txn) {
+			rows[row.(*xds.Ack).UID] = true
+		}
+		return rows
+	}
+	waitAcks := func(want int, cond func(map[string]bool) bool) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			if rows := acks(); len(rows) == want && cond(rows) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("xds-acks: %d rows, want %d", len(acks()), want)
+			}
+		}
+	}
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Wait for the derivation to have every pod, then take the whole
+	// snapshot before acknowledging any of it.
+	waitWorkloads(t, a, local+2) // and web and api
+	z.subscribe(xds.AddressType, nil, false)
+	var resps []*discovery.DeltaDiscoveryResponse
+	for held := 0; held < local+2; {
+		resp := z.recvType(xds.AddressType)
+		held += len(resp.Resources)
+		resps = append(resps, resp)
+	}
+	for _, resp := range resps {
+		z.ack(resp)
+	}
+	waitAcks(local+1, func(rows map[string]bool) bool { return rows[webUID] }) // and web, api is node-b's
+
+	editManifest(t, a, "cluster.yaml", "serviceAccountName: web}", "serviceAccountName: web-v2}")
+	resp := z.recvType(xds.AddressType)
+	if got := names(resp); !slices.Equal(got, []string{webUID}) {
+		t.Fatalf("web changed, push %v", got)
+	}
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResponseNonce: resp.Nonce,
+		ErrorDetail: status.New(codes.InvalidArgument, "web: rejected").Proto()})
+	waitAcks(local, func(rows map[string]bool) bool { return !rows[webUID] })
+}
+
+// waitWorkloads waits until the workloads table has n rows.
+func waitWorkloads(t *testing.T, a *agenttest.Agent, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		txn := a.DB.ReadTxn()
+		if got := a.DB.GetTable(txn, workload.TableName).NumObjects(txn); got == n {
+			return
+		} else if time.Now().After(deadline) {
+			t.Fatalf("%d workloads, want %d", got, n)
+		}
+	}
+}
+
+// editManifest replaces the first old in one of the agent's manifests.
+func editManifest(t *testing.T, a *agenttest.Agent, file, old, new string) {
+	t.Helper()
+	content, err := os.ReadFile(filepath.Join(a.Manifests, file))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(content), old) {
+		t.Fatalf("%s has no %q", file, old)
+	}
+	a.WriteManifest(t, file, strings.Replace(string(content), old, new, 1))
+}
+
 // counterValue reads a counter of the agent's registry.
 func counterValue(t *testing.T, a *agenttest.Agent, name string) float64 {
 	mfs, err := a.Metrics.Gather()
@@ -696,7 +840,9 @@ func TestWildcardToggled(t *testing.T) {
 
 // An initial snapshot of several full responses (1000 resources each,
 // written into buffers the server reuses once gRPC has their bytes) comes
-// whole and intact, twice: every resource is the workload it names.
+// whole and intact, twice: every resource is the workload it names. The
+// Authorization answer, asked right after as ztunnel does, comes after the
+// last of them: ztunnel is ready once it has a response of each type.
 func TestLargeSnapshot(t *testing.T) {
 	const pods = 2500
 	var manifest strings.Builder
@@ -706,15 +852,20 @@ func TestLargeSnapshot(t *testing.T) {
 	}
 	a := startAgent(t)
 	a.WriteManifest(t, "many.yaml", manifest.String())
+	waitWorkloads(t, a, pods+2)
 	for range 2 {
 		z, err := connect(t, a, "tok-a")
 		if err != nil {
 			t.Fatal(err)
 		}
 		z.subscribe(xds.AddressType, nil, false)
+		z.subscribe(xds.AuthorizationType, nil, false)
 		seen := map[string]bool{}
 		for len(seen) < pods+2 {
-			resp := z.recvType(xds.AddressType)
+			resp := z.recv()
+			if resp.TypeUrl != xds.AddressType {
+				t.Fatalf("%s answered with %d of %d workloads sent", resp.TypeUrl, len(seen), pods+2)
+			}
 			for _, r := range resp.Resources {
 				if w := decode(t, r); w.GetUid() != r.Name || seen[r.Name] {
 					t.Fatalf("resource %q holds workload %q (seen before: %v)", r.Name, w.GetUid(), seen[r.Name])
@@ -723,5 +874,6 @@ func TestLargeSnapshot(t *testing.T) {
 			}
 			z.ack(resp)
 		}
+		z.recvType(xds.AuthorizationType)
 	}
 }
