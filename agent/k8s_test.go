@@ -47,7 +47,9 @@ func TestKubernetesSource(t *testing.T) {
 	createNamespace(t, kube, "app", nil)
 	kubetest.CreatePod(t, kube, "app", "web", "node-a", map[string]string{"app": "web"}, netip.MustParseAddr("10.0.1.1"))
 	kubetest.CreatePod(t, kube, "app", "api", "node-b", map[string]string{"app": "api"}, netip.MustParseAddr("10.0.2.1"))
-	kubetest.CreatePod(t, kube, "app", "ztunnel", "node-a", map[string]string{"cilium.io/redir-type": "proxy"}, netip.MustParseAddr("10.0.1.2"))
+	kubetest.CreatePod(t, kube, "kube-system", "ztunnel", "node-a", map[string]string{"cilium.io/redir-type": "proxy"}, netip.MustParseAddr("10.0.1.2"))
+	// The same label where --mtls-agent-namespaces does not trust it.
+	kubetest.CreatePod(t, kube, "app", "self-made-agent", "node-a", map[string]string{"cilium.io/redir-type": "proxy"}, netip.MustParseAddr("10.0.1.3"))
 
 	a := startAgent(t, cfg)
 	db, enrollments, policies := a.db, a.enrollments, a.policies
@@ -88,7 +90,8 @@ func TestKubernetesSource(t *testing.T) {
 		ok, _ := enrollments.Initialized(txn)
 		return ok && reason(txn, "app/web") == enrollment.ReasonNotSelected &&
 			reason(txn, "app/api") == "<none>" &&
-			reason(txn, "app/ztunnel") == enrollment.ReasonMTLSAgent
+			reason(txn, "kube-system/ztunnel") == enrollment.ReasonMTLSAgent &&
+			reason(txn, "app/self-made-agent") == enrollment.ReasonNotSelected
 	})
 
 	// Step 2: a CNP requiring authentication enrolls web; its endpoint gives

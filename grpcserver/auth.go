@@ -30,6 +30,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
@@ -59,6 +60,8 @@ type Authenticator struct {
 	db        *statedb.DB
 	pods      statedb.Table[*tables.Pod]
 	verify    func(ctx context.Context, token string) (Caller, error)
+	// agent tells the pods trusted as their node's mTLS agent.
+	agent func(*tables.Pod) bool
 	// logs throttles the refusal warnings strangers can cause at will.
 	logs *logthrottle.Throttle
 	// probe asks the API server for a review (Kubernetes mode); probeErr
@@ -74,15 +77,16 @@ type Authenticator struct {
 type authParams struct {
 	cell.In
 
-	Config    Config
-	Log       *slog.Logger
-	Metrics   *Metrics
-	LocalNode tables.LocalNode
-	DB        *statedb.DB
-	Pods      statedb.Table[*tables.Pod]
-	Mode      ingest.Mode
-	Clients   *ingest.Clients
-	Bounds    []MethodBound `group:"grpc-method-bounds"`
+	Config     Config
+	Log        *slog.Logger
+	Metrics    *Metrics
+	LocalNode  tables.LocalNode
+	DB         *statedb.DB
+	Pods       statedb.Table[*tables.Pod]
+	Enrollment enrollment.Config
+	Mode       ingest.Mode
+	Clients    *ingest.Clients
+	Bounds     []MethodBound `group:"grpc-method-bounds"`
 }
 
 // MethodBound limits how many calls of a method are served at once.
@@ -103,7 +107,7 @@ type MethodBoundOut struct {
 
 func newAuthenticator(p authParams) (*Authenticator, error) {
 	a := &Authenticator{log: p.Log, metrics: p.Metrics, localNode: p.LocalNode, db: p.DB, pods: p.Pods,
-		slots: map[string]chan struct{}{}, logs: logthrottle.New(time.Second)}
+		agent: p.Enrollment.MTLSAgent, slots: map[string]chan struct{}{}, logs: logthrottle.New(time.Second)}
 	for _, b := range p.Bounds {
 		a.slots[b.Method] = make(chan struct{}, b.Concurrent)
 	}
@@ -198,8 +202,8 @@ func (a *Authenticator) authenticate(ctx context.Context, md metadata.MD) (Calle
 	case caller.PodUID != "" && pod.UID != "" && caller.PodUID != pod.UID:
 		return caller, refusal(codes.PermissionDenied, "deleted-pod", "token of pod %s (uid %s) is bound to a pod that is gone: %s is now uid %s",
 			caller.Key(), caller.PodUID, caller.Key(), pod.UID)
-	case pod.Labels.Get(tables.RedirTypeLabel) != tables.RedirTypeProxy:
-		return caller, refusal(codes.PermissionDenied, "not-mtls-agent", "pod %s is not an mTLS agent (label %s=%s)",
+	case !a.agent(pod):
+		return caller, refusal(codes.PermissionDenied, "not-mtls-agent", "pod %s is not an mTLS agent (label %s=%s, in a namespace of --mtls-agent-namespaces)",
 			caller.Key(), tables.RedirTypeLabel, tables.RedirTypeProxy)
 	case pod.NodeName != a.localNode.NodeName:
 		return caller, refusal(codes.PermissionDenied, "other-node", "pod %s runs on node %q, not on this node %q",
@@ -218,7 +222,7 @@ func (a *Authenticator) authenticate(ctx context.Context, md metadata.MD) (Calle
 // this node: its token reviews have a budget of their own.
 func (a *Authenticator) isLocalAgent(addr netip.Addr) bool {
 	for pod := range a.pods.List(a.db.ReadTxn(), tables.PodsByIP(addr)) {
-		if pod.NodeName == a.localNode.NodeName && pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeProxy {
+		if pod.NodeName == a.localNode.NodeName && a.agent(pod) {
 			return true
 		}
 	}

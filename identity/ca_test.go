@@ -265,6 +265,17 @@ func (ta *testAgent) counter(t *testing.T, name, reason string) prometheus.Colle
 
 // The certificates table keeps the newest few certificates of an identity:
 // an agent asking in a loop does not grow it until they expire.
+// The mTLS agent's label counts only in --mtls-agent-namespaces: any pod
+// owner can set it, and the agent may have any workload's identity of its
+// node. Here the node's agent runs in kube-system, not trusted.
+func TestAgentOnlyInItsNamespaces(t *testing.T) {
+	ta := startAgent(t, "--mtls-agent-namespaces=mtls-agents")
+	_, err := ta.request("tok-a", &pb.IstioCertificateRequest{Csr: newCSR(t, p256(t), webID)})
+	if st := status.Convert(err); st.Code() != codes.PermissionDenied || !strings.Contains(st.Message(), "is not an mTLS agent") {
+		t.Fatalf("agent label in an untrusted namespace: %v, want PermissionDenied", err)
+	}
+}
+
 func TestCertificatesTableIsBounded(t *testing.T) {
 	ta := startAgent(t)
 	var serials []string

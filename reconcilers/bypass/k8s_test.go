@@ -51,7 +51,7 @@ func TestReadyTaint(t *testing.T) {
 	}
 
 	// Step 2: the mTLS agent pod comes; once a is redirected the taint goes.
-	kubetest.CreatePod(t, kube, "app", "ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, nd.agent.IP4, nd.agent.IP6)
+	kubetest.CreatePod(t, kube, "kube-system", "ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, nd.agent.IP4, nd.agent.IP6)
 	deadline := time.Now().Add(waitTimeout)
 	for tainted() {
 		if time.Now().After(deadline) {

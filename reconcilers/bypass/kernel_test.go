@@ -85,7 +85,8 @@ func (nd *node) write(t *testing.T, withAgent bool) {
 		pod("n", "", nd.n.IP4, nd.n.IP6),
 	}
 	if withAgent {
-		docs = append(docs, pod("ztunnel", tables.RedirTypeLabel+": "+tables.RedirTypeProxy, nd.agent.IP4, nd.agent.IP6))
+		agent := pod("ztunnel", tables.RedirTypeLabel+": "+tables.RedirTypeProxy, nd.agent.IP4, nd.agent.IP6)
+		docs = append(docs, strings.Replace(agent, "namespace: app", "namespace: kube-system", 1))
 	}
 	tmp := filepath.Join(nd.manifests, ".tmp")
 	must(t, os.WriteFile(tmp, []byte(strings.Join(docs, "---\n")), 0o644))

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/mtlsbridge/mtlsbridge/spiffe"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // Cell provides the enrollments table and keeps it derived.
@@ -34,21 +35,34 @@ type Config struct {
 	TrustDomain string
 	// ExcludedNamespaces are never enrolled (flag --excluded-namespaces).
 	ExcludedNamespaces []string
+	// MTLSAgentNamespaces are where a pod labelled cilium.io/redir-type=proxy
+	// is its node's mTLS agent (flag --mtls-agent-namespaces). Any pod
+	// owner can set the label: elsewhere it makes no agent.
+	MTLSAgentNamespaces []string
 }
 
 var defaultConfig = Config{
-	TrustDomain:        spiffe.DefaultTrustDomain,
-	ExcludedNamespaces: []string{"kube-system"},
+	TrustDomain:         spiffe.DefaultTrustDomain,
+	ExcludedNamespaces:  []string{"kube-system"},
+	MTLSAgentNamespaces: []string{"kube-system"},
 }
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("trust-domain", def.TrustDomain, "SPIFFE trust domain of workload identities")
 	flags.StringSlice("excluded-namespaces", def.ExcludedNamespaces, "Namespaces whose pods are never enrolled")
+	flags.StringSlice("mtls-agent-namespaces", def.MTLSAgentNamespaces,
+		"Namespaces where a pod labelled cilium.io/redir-type=proxy is its node's mTLS agent (the label is ignored elsewhere)")
 }
 
 func (c Config) excluded(namespace string) bool {
 	return slices.Contains(c.ExcludedNamespaces, namespace)
+}
+
+// MTLSAgent reports whether pod is trusted as its node's mTLS agent: it
+// carries the label, in one of MTLSAgentNamespaces.
+func (c Config) MTLSAgent(pod *tables.Pod) bool {
+	return pod.Labels.Get(tables.RedirTypeLabel) == tables.RedirTypeProxy && slices.Contains(c.MTLSAgentNamespaces, pod.Namespace)
 }
 
 func (c Config) validate() error {

@@ -178,7 +178,7 @@ func (d *derivation) update(dirty map[string]struct{}) {
 		case keep && (!hadOld || *e != *old):
 			d.Enrollments.Insert(wtxn, e)
 			changed++
-			if !hadOld || e.Enrolled != old.Enrolled || e.Reason != old.Reason || e.IgnoredOptOut != old.IgnoredOptOut {
+			if !hadOld || e.Enrolled != old.Enrolled || e.Reason != old.Reason || e.Note() != old.Note() {
 				logged = append(logged, e)
 			}
 		case !keep && hadOld:
@@ -198,8 +198,8 @@ func (d *derivation) update(dirty map[string]struct{}) {
 	} else {
 		for _, e := range logged {
 			args := []any{"pod", e.Key(), "enrolled", e.Enrolled, "reason", e.Reason}
-			if e.IgnoredOptOut {
-				args = append(args, "note", NoteIgnoredOptOut)
+			if note := e.Note(); note != "" {
+				args = append(args, "note", note)
 			}
 			d.Log.Info("Enrollment changed", args...)
 		}

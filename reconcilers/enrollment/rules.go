@@ -50,8 +50,9 @@ func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 		Pod:       pod.Name,
 		UID:       pod.UID,
 		Node:      pod.NodeName,
-		MTLSAgent: redirType == tables.RedirTypeProxy,
+		MTLSAgent: cfg.MTLSAgent(pod),
 	}
+	e.IgnoredAgentLabel = redirType == tables.RedirTypeProxy && !e.MTLSAgent
 	switch {
 	case pod.HostNetwork:
 		e.Reason = ReasonHostNetwork

@@ -36,10 +36,16 @@ type Enrollment struct {
 	// IgnoredOptOut is true when the pod carries the opt-out label but a
 	// policy that requires authentication selects it: it stays enrolled.
 	IgnoredOptOut bool `json:"ignoredOptOut,omitempty"`
+	// IgnoredAgentLabel is true when the pod carries the mTLS agent's label
+	// outside --mtls-agent-namespaces: it is an ordinary pod.
+	IgnoredAgentLabel bool `json:"ignoredAgentLabel,omitempty"`
 }
 
-// NoteIgnoredOptOut is the Note of a row whose opt-out label was ignored.
-const NoteIgnoredOptOut = "opt-out label ignored: a policy requires authentication"
+// Notes of rows whose labels were ignored.
+const (
+	NoteIgnoredOptOut     = "opt-out label ignored: a policy requires authentication"
+	NoteIgnoredAgentLabel = "mTLS agent label ignored: namespace not in --mtls-agent-namespaces"
+)
 
 func (e *Enrollment) Scope() tables.Scope { return tables.PodScope(e.Key(), e.Node) }
 
@@ -50,13 +56,20 @@ func (e *Enrollment) TableHeader() []string {
 	return []string{"Pod", "Node", "Enrolled", "Reason", "SpiffeID", "IdentitySpiffeID", "MTLSAgent", "Note"}
 }
 
-func (e *Enrollment) TableRow() []string {
-	note := ""
-	if e.IgnoredOptOut {
-		note = NoteIgnoredOptOut
+// Note says which of the pod's labels the decision ignored, if one.
+func (e *Enrollment) Note() string {
+	switch {
+	case e.IgnoredOptOut:
+		return NoteIgnoredOptOut
+	case e.IgnoredAgentLabel:
+		return NoteIgnoredAgentLabel
 	}
+	return ""
+}
+
+func (e *Enrollment) TableRow() []string {
 	return []string{e.Key(), tables.Dash(e.Node), strconv.FormatBool(e.Enrolled), e.Reason,
-		tables.Dash(e.SpiffeID), tables.Dash(e.IdentitySpiffeID), strconv.FormatBool(e.MTLSAgent), tables.Dash(note)}
+		tables.Dash(e.SpiffeID), tables.Dash(e.IdentitySpiffeID), strconv.FormatBool(e.MTLSAgent), tables.Dash(e.Note())}
 }
 
 var (

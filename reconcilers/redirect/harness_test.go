@@ -117,7 +117,8 @@ func (c *cluster) write(t *testing.T, m manifest) {
 		docs = append(docs, pod("a", "node-a", nil, c.a.IP4, c.a.IP6))
 	}
 	if m.withAgent {
-		docs = append(docs, pod("ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, c.agent.IP4, c.agent.IP6))
+		agent := pod("ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, c.agent.IP4, c.agent.IP6)
+		docs = append(docs, strings.Replace(agent, "namespace: app", "namespace: kube-system", 1))
 	}
 	tmp := filepath.Join(c.manifests, ".tmp")
 	must(t, os.WriteFile(tmp, []byte(strings.Join(docs, "---\n")), 0o644))

@@ -29,7 +29,7 @@ func TestPublishReady(t *testing.T) {
 	_, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "app"}}, metav1.CreateOptions{})
 	must(t, err)
 	workload := map[string]string{tables.RedirTypeLabel: tables.RedirTypeWorkload}
-	kubetest.CreatePod(t, kube, "app", "ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, c.agent.IP4, c.agent.IP6)
+	kubetest.CreatePod(t, kube, "kube-system", "ztunnel", "node-a", map[string]string{tables.RedirTypeLabel: tables.RedirTypeProxy}, c.agent.IP4, c.agent.IP6)
 	kubetest.CreatePod(t, kube, "app", "a", "node-a", workload, c.a.IP4, c.a.IP6)
 	kubetest.CreatePod(t, kube, "app", "n", "node-a", nil, c.n.IP4, c.n.IP6)
 	kubetest.CreatePod(t, kube, "app", "ghost", "node-a", workload, ghostIP)
@@ -60,7 +60,7 @@ func TestPublishReady(t *testing.T) {
 	// Step 1: a is redirected, and says so; the others do not.
 	waitAnnotation("a", tables.RedirectReadyValue)
 	ag.waitFor(t, "the pods table to show a as redirected", func(txn statedb.ReadTxn) bool { return podReady(txn, "a") })
-	for _, name := range []string{"n", "ghost", "ztunnel", "r"} {
+	for _, name := range []string{"n", "ghost", "r"} {
 		if got := annotation(name); got != "" {
 			t.Errorf("annotation of %s: %q, want none", name, got)
 		}
