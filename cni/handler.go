@@ -5,6 +5,7 @@ package cni
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -129,11 +130,26 @@ func (h *handler) ask(w http.ResponseWriter, r *http.Request) {
 	json.NewEncoder(w).Encode(ans)
 }
 
+// ErrViewIncomplete: the agent has not listed pods, namespaces and
+// policies yet, so it cannot decide on a pod.
+var ErrViewIncomplete = errors.New("the agent has not listed pods, namespaces and policies yet")
+
 // decide computes the answer in one snapshot and returns what to watch for
 // a change of it.
 func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, *statedb.WatchSet) {
 	txn := h.DB.ReadTxn()
 	w := statedb.NewWatchSet()
+	// Decided on a partial view (the agent just started, its first
+	// listings not all in), a pod enrolled by its namespace or a policy
+	// would be "not selected": a final answer, and it starts unprotected.
+	for _, t := range []interface {
+		Initialized(statedb.ReadTxn) (bool, <-chan struct{})
+	}{h.Pods, h.Namespaces, h.Policies} {
+		if ok, listed := t.Initialized(txn); !ok {
+			w.Add(listed)
+			return plugin.Answer{Detail: ErrViewIncomplete.Error()}, w
+		}
+	}
 	pod, _, podWatch, found := h.Pods.GetWatch(txn, tables.PodByKey(key))
 	w.Add(podWatch)
 	if !found || (req.PodUID != "" && pod.UID != "" && pod.UID != req.PodUID) {

@@ -238,8 +238,12 @@ func (c *call) admit(stderr io.Writer, wait bool) error {
 		}
 	}
 	if !last.Known {
+		why := "not in the agent's pods table"
+		if last.Detail != "" {
+			why = last.Detail
+		}
 		return types.NewError(types.ErrTryAgainLater, "pod not known to the mtlsbridge agent yet",
-			fmt.Sprintf("pod %s: not in the agent's pods table after %s; the kubelet retries", pod, c.wait))
+			fmt.Sprintf("pod %s: %s after %s; the kubelet retries", pod, why, c.wait))
 	}
 	return types.NewError(types.ErrTryAgainLater, "mTLS redirection of the pod is not in place",
 		fmt.Sprintf("pod %s is enrolled (%s) but its redirect is %s after %s: %s; the kubelet retries",

@@ -50,7 +50,8 @@ type Request struct {
 
 // Answer is the agent's decision for the pod.
 type Answer struct {
-	// Known is false while the agent has not seen the pod in the API.
+	// Known is false while the agent has not seen the pod in the API, or
+	// has not listed what decides on it yet (Detail says so).
 	Known    bool   `json:"known"`
 	Enrolled bool   `json:"enrolled"`
 	Reason   string `json:"reason,omitempty"`
