@@ -93,6 +93,12 @@ func (m *inPodMode) zdsSteering(txn statedb.ReadTxn, pod string) (steering.Steer
 			return steering.Settling, "zds: no ztunnel connected"
 		}
 		return steering.Settling, "zds: add not acknowledged yet"
+	case nodeagent.StateNacked, nodeagent.StateFailed, nodeagent.StateKept:
+		// Retried. ztunnel refuses mostly while an older ztunnel, still
+		// connected and serving the pod, drains: taking the pod's HBONE
+		// away then would have peers send it plain TCP, which that one
+		// accepts. What is published stays; the bypass check shows it.
+		return steering.Settling, fmt.Sprintf("zds: %s, retried: %s", w.State, w.Error)
 	}
 	return steering.NotSteered, fmt.Sprintf("zds: %s: %s", w.State, w.Error)
 }

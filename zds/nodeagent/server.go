@@ -246,10 +246,21 @@ func (s *Server) waitDerived(ctx context.Context, c *conn) error {
 }
 
 // snapshot sends every pod of the table (add, or keep when its namespace
-// cannot be opened), then snapshot_sent.
+// is not known or cannot be opened), then snapshot_sent.
 func (s *Server) snapshot(c *conn) error {
 	for _, w := range sortedRows(s.Workloads.All(s.DB.ReadTxn())) {
+		if !w.keepable() {
+			continue
+		}
 		if !w.sendable() {
+			// Its namespace is not known (a restart lost its CNI report):
+			// ztunnel keeps what it serves of the pod rather than drain
+			// it, and the rules in the pod keep pointing at something.
+			if err := s.request(c, keepRequest(w.UID), nil); err != nil && !isNack(err) {
+				return err
+			}
+			// Not retried (no retryAt): it is added once its row can be.
+			c.sent[w.UID] = &sent{fingerprint: fingerprint(w), state: StateKept, err: w.Problem}
 			continue
 		}
 		f, err := s.Open(w)
@@ -284,8 +295,8 @@ func (s *Server) snapshot(c *conn) error {
 func (s *Server) sync(c *conn, rows []*Workload, newest bool) (time.Time, error) {
 	desired := map[string]*Workload{}
 	for _, w := range rows {
-		if w.sendable() {
-			if _, dup := desired[w.UID]; !dup {
+		if w.keepable() {
+			if _, dup := desired[w.UID]; !dup || (w.sendable() && !desired[w.UID].sendable()) {
 				desired[w.UID] = w
 			}
 		}

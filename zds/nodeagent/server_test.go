@@ -118,7 +118,15 @@ type fixture struct {
 	netns string
 }
 
+// newFixture gives tables and a server on the socket.
 func newFixture(t *testing.T, timeout time.Duration) *fixture {
+	f := newTables(t)
+	t.Cleanup(f.serve(timeout))
+	return f
+}
+
+// newTables gives the tables, no server.
+func newTables(t *testing.T) *fixture {
 	f := &fixture{t: t, db: statedb.New(), path: filepath.Join(t.TempDir(), "ztunnel.sock"), netns: "/proc/self/ns/net"}
 	var err error
 	if f.rows, err = nodeagent.NewWorkloadsTable(f.db); err != nil {
@@ -127,8 +135,13 @@ func newFixture(t *testing.T, timeout time.Duration) *fixture {
 	if f.conns, err = nodeagent.NewConnectionsTable(f.db); err != nil {
 		t.Fatal(err)
 	}
+	return f
+}
+
+// serve runs a server on the fixture's socket and returns its stop.
+func (f *fixture) serve(timeout time.Duration) (stop func()) {
 	s := nodeagent.NewServer(nodeagent.Params{
-		Log: hivetest.Logger(t), DB: f.db, Workloads: f.rows, Conns: f.conns, Path: f.path, Timeout: timeout,
+		Log: hivetest.Logger(f.t), DB: f.db, Workloads: f.rows, Conns: f.conns, Path: f.path, Timeout: timeout,
 		Open: func(w *nodeagent.Workload) (*os.File, error) { return os.Open(w.Netns) },
 	})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -136,13 +149,12 @@ func newFixture(t *testing.T, timeout time.Duration) *fixture {
 	health, _ := cell.NewSimpleHealth()
 	go func() {
 		if err := s.Run(ctx, health); err != nil {
-			t.Error(err)
+			f.t.Error(err)
 		}
 		close(done)
 	}()
-	t.Cleanup(func() { cancel(); <-done })
 	f.eventually("socket", func() error { _, err := os.Stat(f.path); return err })
-	return f
+	return sync.OnceFunc(func() { cancel(); <-done })
 }
 
 func (f *fixture) put(pod string, netns string) {
@@ -321,6 +333,42 @@ func TestReconnect(t *testing.T) {
 	z2 := startZtunnel(t, f.path)
 	f.wantStates("app/a acked 2 ")
 	f.wantServing(z2, "uid-a app/a sa=sa-a")
+}
+
+// TestRestartKeepsPodsWithoutNamespace: an agent that restarts without the
+// network namespace of a pod it knows (its CNI report was lost) sends keep
+// for it: ztunnel goes on serving the pod, which its rules still steer to
+// it, instead of draining it; it is never deleted while its row is there.
+func TestRestartKeepsPodsWithoutNamespace(t *testing.T) {
+	f := newTables(t)
+	stop := f.serve(0)
+	t.Cleanup(stop)
+	f.put("app/a", f.netns)
+	z := startZtunnel(t, f.path)
+	f.wantServing(z, "uid-a app/a sa=sa-a")
+
+	stop()
+	wtxn := f.db.WriteTxn(f.rows, f.conns)
+	w, _, _ := f.rows.Get(wtxn, nodeagent.WorkloadByPod("app/a"))
+	w = &nodeagent.Workload{Pod: w.Pod, UID: w.UID, Name: w.Name, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount,
+		Problem: "no network namespace known", State: nodeagent.StatePending}
+	f.rows.Insert(wtxn, w)
+	f.conns.DeleteAll(wtxn)
+	wtxn.Commit()
+	t.Cleanup(f.serve(0))
+	f.eventually("a second snapshot", func() error {
+		z.mu.Lock()
+		defer z.mu.Unlock()
+		if n := strings.Count(strings.Join(z.events, ","), "snapshot"); n < 2 {
+			return fmt.Errorf("ztunnel saw %q", z.events)
+		}
+		return nil
+	})
+	f.put("app/b", f.netns) // a live change: a sync after the snapshot
+	f.wantServing(z, "uid-a app/a sa=sa-a", "uid-b app/b sa=sa-b")
+	// Its namespace known again: added again.
+	f.put("app/a", f.netns)
+	f.wantStates("app/a acked")
 }
 
 // TestTwoConnections: adds go to the newest connection, dels to all; when

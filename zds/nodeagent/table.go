@@ -27,8 +27,9 @@ const (
 	// StateNacked: ztunnel refused the add (Error); it is sent again with
 	// backoff.
 	StateNacked = "nacked"
-	// StateKept: the namespace could not be opened at a snapshot (Error):
-	// keep was sent, so that ztunnel keeps what it has of the pod.
+	// StateKept: the namespace could not be opened at a snapshot (Error),
+	// or is not known (the row's Problem): keep was sent, so that ztunnel
+	// keeps what it has of the pod.
 	StateKept = "kept"
 	// StateFailed: the add cannot be sent (Error): the namespace cannot be
 	// opened, or the message would be too large. Retried with backoff.
@@ -70,6 +71,10 @@ func (w *Workload) SameDesire(o *Workload) bool {
 
 // sendable: the row can be handed to ztunnel.
 func (w *Workload) sendable() bool { return w.Problem == "" && w.UID != "" }
+
+// keepable: ztunnel may hold the pod, by its uid; a row with a problem is
+// kept (never deleted) but not added.
+func (w *Workload) keepable() bool { return w.UID != "" }
 
 func (w *Workload) clone() *Workload { c := *w; return &c }
 
