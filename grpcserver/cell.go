@@ -50,7 +50,8 @@ type Config struct {
 	TokenAudiences []string
 	// GRPCMaxMessageBytes bounds a received and a sent message.
 	GRPCMaxMessageBytes int
-	// GRPCMaxConnections bounds the connections served at once.
+	// GRPCMaxConnections bounds the connections served at once, beside
+	// those of this node's mTLS agent pods (agentConnections).
 	GRPCMaxConnections int
 	// TokenReviewQPS and TokenReviewBurst are the budget of TokenReviews.
 	TokenReviewQPS   float64

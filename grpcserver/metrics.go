@@ -8,6 +8,9 @@ import "github.com/prometheus/client_golang/prometheus"
 type Metrics struct {
 	// AuthRefused counts callers refused, by reason.
 	AuthRefused *prometheus.CounterVec
+	// ConnectionsRefused counts connections closed at once because their
+	// pool (agents, others) was full.
+	ConnectionsRefused *prometheus.CounterVec
 }
 
 func newMetrics(reg *prometheus.Registry) *Metrics {
@@ -16,7 +19,11 @@ func newMetrics(reg *prometheus.Registry) *Metrics {
 			Name: "mtlsbridge_grpc_auth_refused_total",
 			Help: "gRPC callers refused, by reason",
 		}, []string{"reason"}),
+		ConnectionsRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mtlsbridge_grpc_connections_refused_total",
+			Help: "gRPC connections closed at once because their pool was full, by pool (agents: this node's mTLS agent pods; others)",
+		}, []string{"pool"}),
 	}
-	reg.MustRegister(m.AuthRefused)
+	reg.MustRegister(m.AuthRefused, m.ConnectionsRefused)
 	return m
 }

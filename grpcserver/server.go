@@ -12,7 +12,6 @@ import (
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
-	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
@@ -97,7 +96,9 @@ func newServer(p serverParams) (*Server, error) {
 			return fmt.Errorf("--grpc-listen: %w", err)
 		}
 		s.addr = l.Addr()
-		l = netutil.LimitListener(l, p.Config.GRPCMaxConnections)
+		l = newPooledListener(l, p.Config.GRPCMaxConnections, p.Auth.isLocalAgent, func(pool string) {
+			p.Auth.metrics.ConnectionsRefused.WithLabelValues(pool).Inc()
+		})
 		close(s.listening)
 		p.Log.Info("Serving gRPC for the mTLS agent", "address", l.Addr().String())
 		health.OK("serving on " + l.Addr().String())
