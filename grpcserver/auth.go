@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -314,6 +315,12 @@ func reviewer(kube kubernetes.Interface, audiences []string, budget *reviewBudge
 		}
 		if !review.Status.Authenticated {
 			return Caller{}, refusal(codes.Unauthenticated, "invalid-token", "token rejected by TokenReview: %s", review.Status.Error)
+		}
+		// An authenticator that ignores audiences (a webhook, legacy
+		// tokens) says so by naming none of ours: such a token may be
+		// meant for anyone, the pod's API token included.
+		if len(audiences) > 0 && !slices.ContainsFunc(review.Status.Audiences, func(a string) bool { return slices.Contains(audiences, a) }) {
+			return Caller{}, refusal(codes.Unauthenticated, "wrong-audience", "token not valid for audiences %v (TokenReview says %v)", audiences, review.Status.Audiences)
 		}
 		parts := strings.Split(review.Status.User.Username, ":")
 		if len(parts) != 4 || parts[0] != "system" || parts[1] != "serviceaccount" {

@@ -34,11 +34,16 @@ func TestReviewCache(t *testing.T) {
 			return true, nil, fmt.Errorf("connection refused")
 		}
 		tr := action.(k8stesting.CreateAction).GetObject().(*authnv1.TokenReview)
-		if tr.Spec.Token != "good" {
+		audiences := tr.Spec.Audiences
+		switch tr.Spec.Token {
+		case "good":
+		case "any-audience": // an authenticator that ignores audiences
+			audiences = nil
+		default:
 			return true, &authnv1.TokenReview{Status: authnv1.TokenReviewStatus{Error: "invalid token"}}, nil
 		}
 		return true, &authnv1.TokenReview{Status: authnv1.TokenReviewStatus{
-			Authenticated: true,
+			Authenticated: true, Audiences: audiences,
 			User: authnv1.UserInfo{Username: "system:serviceaccount:kube-system:ztunnel",
 				Extra: map[string]authnv1.ExtraValue{extraPodName: {"ztunnel-a"}, extraNodeName: {"node-a"}}},
 		}}, nil
@@ -73,6 +78,11 @@ func TestReviewCache(t *testing.T) {
 		t.Fatalf("%d TokenReviews, want the refusal asked once", reviews)
 	}
 
+	// Authenticated, but not for our audience: refused.
+	if _, err := c.verify(ctx, "any-audience"); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("verify(any-audience) = %v, want Unauthenticated", err)
+	}
+
 	// An API server that does not answer teaches nothing: asked again.
 	apiDown = true
 	for range 2 {
@@ -80,7 +90,7 @@ func TestReviewCache(t *testing.T) {
 			t.Fatalf("verify with the API down = %v, want Unavailable", err)
 		}
 	}
-	if reviews != 5 {
+	if reviews != 6 {
 		t.Fatalf("%d TokenReviews, want failures not cached", reviews)
 	}
 
