@@ -18,4 +18,7 @@ var (
 	// ErrNoUID: neither the API nor a CNI report gives the pod's UID,
 	// which ZDS names it by.
 	ErrNoUID = errors.New("pod UID unknown")
+	// ErrNetnsUnchecked: the namespace to hand to ztunnel cannot be
+	// checked against the pod's addresses yet (its rows are changing).
+	ErrNetnsUnchecked = errors.New("network namespace not checked")
 )

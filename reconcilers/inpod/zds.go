@@ -3,6 +3,7 @@
 package inpod
 
 import (
+	"fmt"
 	"log/slog"
 	"os"
 	"time"
@@ -48,9 +49,12 @@ func registerZDSServer(p zdsParams) error {
 	s := nodeagent.NewServer(nodeagent.Params{
 		Log: p.Log, DB: p.DB, Workloads: p.Workloads, Conns: p.Conns, Path: p.Config.ZDSSocket, Metrics: metrics,
 		Open: func(w *nodeagent.Workload) (*os.File, error) {
+			// Never unchecked: rows that disagree are changing (a new
+			// sandbox), and a path may name another pod's namespace by
+			// now. The add is retried once they agree.
 			r, _, ok := p.Redirections.Get(p.DB.ReadTxn(), RedirectionByPod(w.Pod))
 			if !ok || r.Netns != w.Netns {
-				return p.Target.Open(w.Netns, nil)
+				return nil, fmt.Errorf("%w: the pod's redirection does not name %s (yet)", ErrNetnsUnchecked, w.Netns)
 			}
 			return p.Target.Open(w.Netns, r.IPs)
 		},
