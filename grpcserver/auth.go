@@ -196,27 +196,37 @@ func (a *Authenticator) authenticate(ctx context.Context, md metadata.MD) (Calle
 	if err != nil {
 		return caller, err
 	}
-	pod, _, found := a.pods.Get(a.db.ReadTxn(), tables.PodByKey(caller.Key()))
+	_, err = a.Allowed(a.db.ReadTxn(), caller)
+	return caller, err
+}
+
+// Allowed checks an authenticated caller against the tables: its pod is
+// the one its token names, trusted as this node's mTLS agent, on this
+// node. The channel closes when the pod's row changes: a stream that
+// outlives the change checks again (a pod that is no agent any more is
+// cut off, not served until it reconnects).
+func (a *Authenticator) Allowed(txn statedb.ReadTxn, caller Caller) (<-chan struct{}, error) {
+	pod, _, watch, found := a.pods.GetWatch(txn, tables.PodByKey(caller.Key()))
 	switch {
 	case !found:
-		return caller, refusal(codes.PermissionDenied, "unknown-pod", "pod %s is not known", caller.Key())
+		return watch, refusal(codes.PermissionDenied, "unknown-pod", "pod %s is not known", caller.Key())
 	case caller.PodUID != "" && pod.UID != "" && caller.PodUID != pod.UID:
-		return caller, refusal(codes.PermissionDenied, "deleted-pod", "token of pod %s (uid %s) is bound to a pod that is gone: %s is now uid %s",
+		return watch, refusal(codes.PermissionDenied, "deleted-pod", "token of pod %s (uid %s) is bound to a pod that is gone: %s is now uid %s",
 			caller.Key(), caller.PodUID, caller.Key(), pod.UID)
 	case !a.agent(pod):
-		return caller, refusal(codes.PermissionDenied, "not-mtls-agent", "pod %s is not an mTLS agent (label %s=%s, in a namespace of --mtls-agent-namespaces)",
+		return watch, refusal(codes.PermissionDenied, "not-mtls-agent", "pod %s is not an mTLS agent (label %s=%s, in a namespace of --mtls-agent-namespaces)",
 			caller.Key(), tables.RedirTypeLabel, tables.RedirTypeProxy)
 	case pod.NodeName != a.localNode.NodeName:
-		return caller, refusal(codes.PermissionDenied, "other-node", "pod %s runs on node %q, not on this node %q",
+		return watch, refusal(codes.PermissionDenied, "other-node", "pod %s runs on node %q, not on this node %q",
 			caller.Key(), pod.NodeName, a.localNode.NodeName)
 	case caller.Node != "" && caller.Node != a.localNode.NodeName:
-		return caller, refusal(codes.PermissionDenied, "other-node", "token of pod %s is bound to node %q, not %q",
+		return watch, refusal(codes.PermissionDenied, "other-node", "token of pod %s is bound to node %q, not %q",
 			caller.Key(), caller.Node, a.localNode.NodeName)
 	case caller.ServiceAccount != "" && caller.ServiceAccount != pod.ServiceAccountOrDefault():
-		return caller, refusal(codes.PermissionDenied, "service-account-mismatch", "token of service account %q, pod %s runs as %q",
+		return watch, refusal(codes.PermissionDenied, "service-account-mismatch", "token of service account %q, pod %s runs as %q",
 			caller.ServiceAccount, caller.Key(), pod.ServiceAccountOrDefault())
 	}
-	return caller, nil
+	return watch, nil
 }
 
 // isLocalAgent reports whether an address belongs to an mTLS agent pod of

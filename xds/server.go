@@ -44,6 +44,8 @@ type serverParams struct {
 	Acks           statedb.RWTable[*Ack]
 	// Node limits the acknowledgements kept to this node's workloads.
 	Node tables.LocalNode `optional:"true"`
+	// Auth checks a stream's caller again when its pod changes.
+	Auth *grpcserver.Authenticator `optional:"true"`
 }
 
 // authenticator tells who calls: the caller the gRPC server's tap
@@ -81,7 +83,7 @@ func (s *server) StreamAggregatedResources(discovery.AggregatedDiscoveryService_
 // newStream is the state of a new stream of caller.
 func (s *server) newStream(ctx context.Context, grpcStream deltaStream, caller grpcserver.Caller) *stream {
 	return &stream{
-		srv: s, grpc: grpcStream, ctx: ctx,
+		srv: s, grpc: grpcStream, ctx: ctx, caller: caller,
 		client: &Client{ID: s.nextID.Add(1), Pod: caller.Key(), ConnectedSince: time.Now(), Subscriptions: map[string]string{}},
 		types:  map[string]*typeState{AddressType: {}, AuthorizationType: {}},
 		logs:   logthrottle.New(10 * time.Second),

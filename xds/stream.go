@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
@@ -78,6 +79,7 @@ type stream struct {
 	grpc   deltaStream
 	ctx    context.Context
 	client *Client
+	caller grpcserver.Caller
 	types  map[string]*typeState
 	nonce  uint64
 
@@ -167,9 +169,24 @@ func (st *stream) run() error {
 		changed   <-chan struct{} // closes when the workloads table has news for us
 		throttled <-chan time.Time
 		lastPush  time.Time
+		// callerChanged closes when the caller's pod row changes: the
+		// stream serves only while the caller is this node's agent.
+		callerChanged <-chan struct{}
 	)
+	if st.srv.Auth != nil {
+		var err error
+		if callerChanged, err = st.srv.Auth.Allowed(st.srv.DB.ReadTxn(), st.caller); err != nil {
+			return err
+		}
+	}
 	for {
 		select {
+		case <-callerChanged:
+			var err error
+			if callerChanged, err = st.srv.Auth.Allowed(st.srv.DB.ReadTxn(), st.caller); err != nil {
+				st.srv.Log.Warn("xDS stream closed: its caller is no longer this node's mTLS agent", "stream", st.client.ID, "pod", st.client.Pod, "error", err)
+				return err
+			}
 		case req := <-reqs:
 			err := st.handle(req)
 			st.flush()

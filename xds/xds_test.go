@@ -130,6 +130,8 @@ func (z *ztunnel) quiet(d time.Duration) {
 	select {
 	case resp := <-z.resps:
 		z.t.Fatalf("unexpected response: %v", resp)
+	case err := <-z.errs:
+		z.t.Fatalf("stream ended: %v", err)
 	case <-time.After(d):
 	}
 }
@@ -744,6 +746,31 @@ func waitWorkloads(t *testing.T, a *agenttest.Agent, n int) {
 		} else if time.Now().After(deadline) {
 			t.Fatalf("%d workloads, want %d", got, n)
 		}
+	}
+}
+
+// A stream is served only while its caller is this node's mTLS agent: a
+// change of its pod that keeps it one goes unnoticed, one that ends it (the
+// label removed) ends the stream, not only the next one.
+func TestStreamEndsWithItsAgent(t *testing.T) {
+	a := startAgent(t)
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.subscribe(xds.AddressType, nil, false)
+	z.recvType(xds.AddressType)
+	const agentPod = "name: ztunnel-a, namespace: kube-system, labels: {cilium.io/redir-type: proxy"
+	editManifest(t, a, "cluster.yaml", agentPod+"}", agentPod+", version: v2}")
+	z.quiet(300 * time.Millisecond)
+	editManifest(t, a, "cluster.yaml", agentPod+", version: v2}", "name: ztunnel-a, namespace: kube-system, labels: {version: v3}")
+	select {
+	case err := <-z.errs:
+		if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "is not an mTLS agent") {
+			t.Fatalf("stream ended with %v, want PermissionDenied: not an mTLS agent", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the stream of a pod that is no agent any more goes on")
 	}
 }
 
