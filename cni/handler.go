@@ -174,7 +174,7 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, *stated
 	}
 	// The active mode's own words: in l2 mode the datapath's rows, in
 	// in-pod mode the rules in the pod and ztunnel's acknowledgement.
-	if state, detail := h.mode.Steering(txn, key, asReported.IPs); state != steering.Steered {
+	if state, detail := h.mode.Steering(txn, key, steering.Sandbox{IPs: asReported.IPs, Netns: req.Netns}); state != steering.Steered {
 		ans.Redirect, ans.Detail = plugin.RedirectPending, detail
 	} else {
 		ans.Redirect = plugin.RedirectReady

@@ -134,7 +134,7 @@ func fuzzHandler(f *testing.F) (*http.ServeMux, *handler) {
 type settlingMode struct{}
 
 func (settlingMode) Name() string { return "settling" }
-func (settlingMode) Steering(statedb.ReadTxn, string, []netip.Addr) (steering.Steering, string) {
+func (settlingMode) Steering(statedb.ReadTxn, string, steering.Sandbox) (steering.Steering, string) {
 	return steering.Settling, "never done"
 }
 func (settlingMode) Watch(statedb.ReadTxn) []<-chan struct{} { return nil }

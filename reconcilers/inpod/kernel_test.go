@@ -178,7 +178,7 @@ func (ag *testAgent) waitSteered(t *testing.T, pod string, addrs ...netip.Addr) 
 	must(t, err)
 	deadline := time.Now().Add(waitTimeout)
 	for {
-		state, detail := mode.Steering(ag.db.ReadTxn(), pod, addrs)
+		state, detail := mode.Steering(ag.db.ReadTxn(), pod, steering.Sandbox{IPs: addrs})
 		if state == steering.Steered {
 			return
 		}

@@ -4,7 +4,6 @@ package inpod
 
 import (
 	"fmt"
-	"net/netip"
 	"slices"
 	"strings"
 
@@ -37,9 +36,9 @@ func newMode(target Target, r statedb.Table[*Redirection], w statedb.Table[*node
 func (m *inPodMode) Name() string { return steering.ModeInPod }
 
 // Steering implements steering.Mode.
-func (m *inPodMode) Steering(txn statedb.ReadTxn, pod string, addrs []netip.Addr) (steering.Steering, string) {
-	rules, rulesDetail := m.rulesSteering(txn, pod, addrs)
-	held, heldDetail := m.zdsSteering(txn, pod)
+func (m *inPodMode) Steering(txn statedb.ReadTxn, pod string, sandbox steering.Sandbox) (steering.Steering, string) {
+	rules, rulesDetail := m.rulesSteering(txn, pod, sandbox)
+	held, heldDetail := m.zdsSteering(txn, pod, sandbox.Netns)
 	var details []string
 	for _, d := range []string{rulesDetail, heldDetail} {
 		if d != "" {
@@ -49,17 +48,20 @@ func (m *inPodMode) Steering(txn statedb.ReadTxn, pod string, addrs []netip.Addr
 	return rules.And(held), strings.Join(details, "; ")
 }
 
-func (m *inPodMode) rulesSteering(txn statedb.ReadTxn, pod string, addrs []netip.Addr) (steering.Steering, string) {
+func (m *inPodMode) rulesSteering(txn statedb.ReadTxn, pod string, sandbox steering.Sandbox) (steering.Steering, string) {
 	r, _, ok := m.redirections.Get(txn, RedirectionByPod(pod))
 	switch {
 	case !ok:
 		return steering.NotSteered, "no in-pod redirection (the pod is not enrolled here)"
 	case r.Problem != "":
 		return steering.NotSteered, r.Problem
-	case len(addrs) == 0:
+	case len(sandbox.IPs) == 0:
 		return steering.NotSteered, "the pod has no address"
+	case sandbox.Netns != "" && r.Netns != sandbox.Netns:
+		// An earlier sandbox's rows (its DEL lost, the same address).
+		return steering.Settling, "the in-pod redirection is not derived for " + sandbox.Netns + " yet"
 	}
-	for _, ip := range addrs {
+	for _, ip := range sandbox.IPs {
 		if !slices.Contains(r.IPs, ip) {
 			return steering.Settling, "the in-pod redirection is not derived for " + ip.String() + " yet"
 		}
@@ -73,13 +75,16 @@ func (m *inPodMode) rulesSteering(txn statedb.ReadTxn, pod string, addrs []netip
 	return steering.Settling, "in-pod rules not written yet"
 }
 
-func (m *inPodMode) zdsSteering(txn statedb.ReadTxn, pod string) (steering.Steering, string) {
+func (m *inPodMode) zdsSteering(txn statedb.ReadTxn, pod, netns string) (steering.Steering, string) {
 	w, _, ok := m.workloads.Get(txn, nodeagent.WorkloadByPod(pod))
 	if !ok {
 		return steering.NotSteered, "not handed to ztunnel"
 	}
 	if w.Problem != "" {
 		return steering.NotSteered, "zds: " + w.Problem
+	}
+	if netns != "" && w.Netns != netns {
+		return steering.Settling, "zds: " + netns + " not handed to ztunnel yet"
 	}
 	newest, connected := nodeagent.Newest(txn, m.conns)
 	switch w.State {

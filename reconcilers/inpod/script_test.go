@@ -75,8 +75,15 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	zt := &ztunnels{t: t, socket: socket, running: map[string]*ztunnel{}}
 	maps.Insert(cmds, maps.All(zt.commands()))
 	cmds["steering/ask"] = script.Command(
-		script.CmdUsage{Summary: "print the active mode's answer for a pod and addresses", Args: "pod addr..."},
+		script.CmdUsage{Summary: "print the active mode's answer for a pod and addresses (of the sandbox in netns, as the CNI route asks)",
+			Args: "[--netns=PATH] pod addr..."},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			var netns string
+			if len(args) > 0 {
+				if path, ok := strings.CutPrefix(args[0], "--netns="); ok {
+					netns, args = path, args[1:]
+				}
+			}
 			if len(args) < 1 {
 				return nil, script.ErrUsage
 			}
@@ -88,7 +95,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 			if err != nil {
 				return nil, err
 			}
-			state, detail := mode.Steering(db.ReadTxn(), args[0], addrs)
+			state, detail := mode.Steering(db.ReadTxn(), args[0], steering.Sandbox{IPs: addrs, Netns: netns})
 			return func(*script.State) (string, string, error) { return fmt.Sprintf("%s: %s\n", state, detail), "", nil }, nil
 		})
 	cmds["steering/bypass"] = script.Command(
@@ -121,7 +128,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 type noL2 struct{}
 
 func (noL2) Name() string { return steering.ModeL2 }
-func (noL2) Steering(statedb.ReadTxn, string, []netip.Addr) (steering.Steering, string) {
+func (noL2) Steering(statedb.ReadTxn, string, steering.Sandbox) (steering.Steering, string) {
 	return steering.NotSteered, "no l2 datapath in this test"
 }
 func (noL2) Watch(statedb.ReadTxn) []<-chan struct{} { return nil }

@@ -68,7 +68,7 @@ func (d *derivation) step() []<-chan struct{} {
 	var rows []*ReadyAnnotation
 	for pod := range pods {
 		addrs := tables.PodAddrs(wtxn, d.CNIPods, pod)
-		switch state, _ := d.mode.Steering(wtxn, pod.Key(), addrs); {
+		switch state, _ := d.mode.Steering(wtxn, pod.Key(), steering.Sandbox{IPs: addrs}); {
 		case state == steering.Steered:
 			rows = append(rows, &ReadyAnnotation{Pod: pod.Key(), Ready: true})
 		case state == steering.NotSteered && pod.RedirectReady:

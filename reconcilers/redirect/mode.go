@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/netip"
 	"os"
 	"path/filepath"
 
@@ -39,11 +38,13 @@ func NewL2Mode(dp Datapath, redirects statedb.Table[*Redirect], attachments stat
 func (m *l2Mode) Name() string { return steering.ModeL2 }
 
 // Steering implements steering.Mode with SteeringOf.
-func (m *l2Mode) Steering(txn statedb.ReadTxn, pod string, addrs []netip.Addr) (steering.Steering, string) {
+func (m *l2Mode) Steering(txn statedb.ReadTxn, pod string, sandbox steering.Sandbox) (steering.Steering, string) {
 	if errors.Is(m.datapath.Err(), ErrDisabled) {
 		return NotSteered, ErrDisabled.Error()
 	}
-	if s := SteeringOf(txn, m.redirects, m.attachments, pod, addrs); s != Steered {
+	// The datapath follows addresses and interfaces, whatever the
+	// namespace: sandbox.Netns is not looked at.
+	if s := SteeringOf(txn, m.redirects, m.attachments, pod, sandbox.IPs); s != Steered {
 		return s, "the redirects and attachments of the reported addresses are not all done"
 	}
 	return Steered, ""

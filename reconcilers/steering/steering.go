@@ -45,14 +45,23 @@ type Mode interface {
 	// Name is the mode's --redirect-mode value.
 	Name() string
 	// Steering tells whether the mode steers the pod ("namespace/name")
-	// for addrs, the pod's addresses (those of the sandbox being added,
-	// for the CNI route). Detail says why when the answer is not Steered.
-	Steering(txn statedb.ReadTxn, pod string, addrs []netip.Addr) (state Steering, detail string)
+	// in sandbox. Detail says why when the answer is not Steered.
+	Steering(txn statedb.ReadTxn, pod string, sandbox Sandbox) (state Steering, detail string)
 	// Watch returns channels that close when an answer may have changed.
 	Watch(txn statedb.ReadTxn) []<-chan struct{}
 	// Tables are the tables the answers come from: answers mean something
 	// only once they are all initialized.
 	Tables() []statedb.TableMeta
+}
+
+// Sandbox is what an answer is about: the sandbox being added, for the
+// CNI route; the pod as the tables see it otherwise.
+type Sandbox struct {
+	// IPs are the pod's addresses (the sandbox's, for the CNI route).
+	IPs []netip.Addr
+	// Netns is the sandbox's network namespace (CNI route), "" otherwise:
+	// a mode that writes into the namespace answers for that one only.
+	Netns string
 }
 
 // Target is an enrolled pod of this node, for a bypass check.

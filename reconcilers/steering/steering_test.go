@@ -3,7 +3,6 @@
 package steering
 
 import (
-	"net/netip"
 	"testing"
 
 	"github.com/cilium/statedb"
@@ -12,7 +11,7 @@ import (
 type fakeMode string
 
 func (m fakeMode) Name() string { return string(m) }
-func (fakeMode) Steering(statedb.ReadTxn, string, []netip.Addr) (Steering, string) {
+func (fakeMode) Steering(statedb.ReadTxn, string, Sandbox) (Steering, string) {
 	return Settling, ""
 }
 func (fakeMode) Watch(statedb.ReadTxn) []<-chan struct{} { return nil }
