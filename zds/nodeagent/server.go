@@ -259,8 +259,7 @@ func (s *Server) snapshot(c *conn) error {
 			if err := s.request(c, keepRequest(w.UID), nil); err != nil && !isNack(err) {
 				return err
 			}
-			// Not retried (no retryAt): it is added once its row can be.
-			c.sent[w.UID] = &sent{fingerprint: fingerprint(w), state: StateKept, err: w.Problem}
+			held(c, w)
 			continue
 		}
 		f, err := s.Open(w)
@@ -318,7 +317,13 @@ func (s *Server) sync(c *conn, rows []*Workload, newest bool) (time.Time, error)
 	var next time.Time
 	now := time.Now()
 	for _, w := range rows {
-		if !w.sendable() || desired[w.UID] != w {
+		if desired[w.UID] != w {
+			continue
+		}
+		if !w.sendable() {
+			if c.sent[w.UID] != nil {
+				held(c, w) // an add due for retry waits for a row it can send
+			}
 			continue
 		}
 		st := c.sent[w.UID]
@@ -346,6 +351,12 @@ func (s *Server) sync(c *conn, rows []*Workload, newest bool) (time.Time, error)
 		}
 	}
 	return next, nil
+}
+
+// held notes that c may serve w, whose row cannot be sent (its namespace
+// is not known): kept, and not retried (no retryAt) until the row can be.
+func held(c *conn, w *Workload) {
+	c.sent[w.UID] = &sent{fingerprint: fingerprint(w), state: StateKept, err: w.Problem}
 }
 
 // sendAdd sends the add of w with its namespace f (closed here). Only a
