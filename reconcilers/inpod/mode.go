@@ -99,11 +99,14 @@ func (m *inPodMode) zdsSteering(txn statedb.ReadTxn, pod, netns string) (steerin
 		}
 		return steering.Settling, "zds: add not acknowledged yet"
 	case nodeagent.StateNacked, nodeagent.StateFailed, nodeagent.StateKept:
-		// Retried. ztunnel refuses mostly while an older ztunnel, still
-		// connected and serving the pod, drains: taking the pod's HBONE
-		// away then would have peers send it plain TCP, which that one
-		// accepts. What is published stays; the bypass check shows it.
-		return steering.Settling, fmt.Sprintf("zds: %s, retried: %s", w.State, w.Error)
+		// Retried. During a rolling update an older ztunnel, still
+		// connected, may serve the pod while the newest refuses it:
+		// taking the pod's HBONE away then would have peers send it plain
+		// TCP, which that one accepts. What is published stays while there
+		// is one; the bypass check shows the refusal.
+		if connected && m.conns.NumObjects(txn) > 1 {
+			return steering.Settling, fmt.Sprintf("zds: %s, retried (an older ztunnel is connected): %s", w.State, w.Error)
+		}
 	}
 	return steering.NotSteered, fmt.Sprintf("zds: %s: %s", w.State, w.Error)
 }
