@@ -400,8 +400,10 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		}
 		if !ts.wildcard {
 			st.subscribeClaims(ts, txn)
+			subscribed := strconv.Itoa(len(ts.names))
+			st.record(func(c *Client) { c.Subscriptions[AddressType] = subscribed })
 		}
-		removed, err = st.snapshot(ts, txn, ts.claims, true, func(yield func(*workload.Workload) bool) {
+		removed, err = st.snapshot(ts, txn, ts.claims, true, askedByUID(added), func(yield func(*workload.Workload) bool) {
 			for c := range changes {
 				if !yield(c.Object) {
 					return
@@ -417,7 +419,7 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		// reported yet are not sent twice.
 		txn = st.srv.DB.ReadTxn()
 		var err error
-		removed, err = st.snapshot(ts, txn, claimsOf(ts.held), false, func(yield func(*workload.Workload) bool) {
+		removed, err = st.snapshot(ts, txn, claimsOf(ts.held), false, askedByUID(added), func(yield func(*workload.Workload) bool) {
 			for w := range st.srv.Workloads.All(txn) {
 				if !yield(w) {
 					return
@@ -468,8 +470,10 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 // held names that no longer exist. A wildcard client then holds txn's
 // view (ts.held goes); an on-demand one keeps the list. Claims the client
 // made itself (its initial_resource_versions, not what was sent and may be
-// unacknowledged) are recorded as acknowledged.
-func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, claimedByClient bool, workloads func(func(*workload.Workload) bool), answer *responses) ([]string, error) {
+// unacknowledged) are recorded as acknowledged. Workloads asked for by
+// their uid in the same request are left to that request's answer, which
+// sends them once.
+func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, claimedByClient bool, asked map[string]bool, workloads func(func(*workload.Workload) bool), answer *responses) ([]string, error) {
 	ts.claims = claims{}
 	if ts.wildcard {
 		ts.held = nil
@@ -485,8 +489,8 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 			found++
 		}
 		switch {
-		case !ts.interested(uid):
-			// Not asked for.
+		case !ts.interested(uid) || asked[uid]:
+			// Not wanted, or answered by name.
 		case had && version == w.Version:
 			// The client holds this very version (it said so when it
 			// reconnected): it is acknowledged, though not sent again.
@@ -516,6 +520,18 @@ func (st *stream) snapshot(ts *typeState, txn statedb.ReadTxn, claimed claims, c
 		}
 	}
 	return removed, nil
+}
+
+// askedByUID is the set of names subscribed in a request, nil for none.
+func askedByUID(added []string) map[string]bool {
+	if len(added) == 0 {
+		return nil
+	}
+	asked := make(map[string]bool, len(added))
+	for _, name := range added {
+		asked[name] = true
+	}
+	return asked
 }
 
 // subscribeClaims subscribes the names an on-demand client's first request

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -400,6 +401,19 @@ func TestOnDemand(t *testing.T) {
 	}
 }
 
+// A first request that subscribes a workload by its uid gets it once.
+func TestFirstRequestByUID(t *testing.T) {
+	a := startAgent(t)
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.send(&discovery.DeltaDiscoveryRequest{Node: node, TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{webUID}})
+	if got := names(z.recvType(xds.AddressType)); !slices.Equal(got, []string{webUID}) {
+		t.Errorf("answer %v, want web once", got)
+	}
+}
+
 // ztunnel on demand reconnects naming what it holds in
 // initial_resource_versions only: those stay subscribed, their changes
 // are pushed, and what it holds unchanged is not sent again.
@@ -428,6 +442,8 @@ func TestOnDemandReconnect(t *testing.T) {
 	if resp := z.recvType(xds.AddressType); len(resp.Resources) != 0 || !slices.Equal(resp.RemovedResources, []string{"Kubernetes//Pod/app/db"}) {
 		t.Fatalf("reconnect answer %v, want db removed only", resp)
 	}
+	// Its row counts the names it holds as its subscriptions.
+	waitClient(t, a, func(c *xds.Client) bool { return c.Subscriptions[xds.AddressType] == strconv.Itoa(len(held)) })
 	// The names it holds are followed: db once it exists, web's change.
 	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.0.2.30"))
 	if got := names(z.recvType(xds.AddressType)); !slices.Equal(got, []string{"Kubernetes//Pod/app/db"}) {
