@@ -48,19 +48,24 @@ func registerZDSServer(p zdsParams) error {
 	}
 	s := nodeagent.NewServer(nodeagent.Params{
 		Log: p.Log, DB: p.DB, Workloads: p.Workloads, Conns: p.Conns, Path: p.Config.ZDSSocket, Metrics: metrics,
-		Open: func(w *nodeagent.Workload) (*os.File, error) {
-			// Never unchecked: rows that disagree are changing (a new
-			// sandbox), and a path may name another pod's namespace by
-			// now. The add is retried once they agree.
-			r, _, ok := p.Redirections.Get(p.DB.ReadTxn(), RedirectionByPod(w.Pod))
-			if !ok || r.Netns != w.Netns {
-				return nil, fmt.Errorf("%w: the pod's redirection does not name %s (yet)", ErrNetnsUnchecked, w.Netns)
-			}
-			return p.Target.Open(w.Netns, r.IPs)
-		},
+		Open: openChecked(p.DB, p.Redirections, p.Target),
 	})
 	// A socket that cannot be made (its folder not mounted yet) is tried
 	// again; meanwhile the job's health says why.
 	p.Jobs.Add(job.OneShot("zds-server", s.Run, job.WithRetry(-1, &job.ExponentialBackoff{Min: time.Second, Max: time.Minute})))
 	return nil
+}
+
+// openChecked opens a pod's namespace for ztunnel, checked to hold the
+// pod's addresses. Never unchecked: rows that disagree are changing (a
+// new sandbox), and a path may name another pod's namespace by now. The
+// add is retried once they agree.
+func openChecked(db *statedb.DB, redirections statedb.Table[*Redirection], target Target) func(*nodeagent.Workload) (*os.File, error) {
+	return func(w *nodeagent.Workload) (*os.File, error) {
+		r, _, ok := redirections.Get(db.ReadTxn(), RedirectionByPod(w.Pod))
+		if !ok || r.Netns != w.Netns {
+			return nil, fmt.Errorf("%w: the pod's redirection does not name %s (yet)", ErrNetnsUnchecked, w.Netns)
+		}
+		return target.Open(w.Netns, r.IPs)
+	}
 }
