@@ -67,6 +67,14 @@ const (
 	ReadinessPort = 15021
 )
 
+// ownPort: a port of the proxy's listeners in a pod (ztunnel's illegal
+// ports). A connection to a pod's address there is a call to the proxy
+// itself: it would loop through its listeners, each turn taking a slot,
+// or nest a tunnel in a tunnel.
+func ownPort(port uint16) bool {
+	return port == OutboundPort || port == InboundPlainPort || port == HBONEPort
+}
+
 // Config is the proxy's configuration.
 type Config struct {
 	XDSAddress, CAAddress string // host:port

@@ -293,6 +293,16 @@ func TestHBONERefusals(t *testing.T) {
 		}
 		h.expectCount(t, h.b.metrics.Refused.WithLabelValues(DirectionInbound, "authority-mismatch"), 1)
 	})
+	t.Run("a port of the proxy's own", func(t *testing.T) {
+		// In-pod, these are the proxy's listeners in the pod: a loop, or a
+		// tunnel in a tunnel.
+		for _, port := range []string{"15001", "15006", "15008"} {
+			if resp := h.request(t, hbWebIP, http.MethodConnect, hbAPIIP+":"+port); resp.StatusCode != http.StatusBadRequest {
+				t.Errorf("CONNECT to api's port %s answered %s", port, resp.Status)
+			}
+		}
+		h.expectCount(t, h.b.metrics.Refused.WithLabelValues(DirectionInbound, "loop"), 3)
+	})
 	t.Run("source address of another identity", func(t *testing.T) {
 		resp := h.request(t, hbOtherIP, http.MethodConnect, h.app.String())
 		if resp.StatusCode != http.StatusForbidden {

@@ -95,6 +95,9 @@ func (p *Proxy) serveConnect(ctx context.Context, w http.ResponseWriter, r *http
 	case err != nil:
 		refuse(http.StatusBadRequest, "bad-authority", fmt.Errorf("%w: authority %q: %v", ErrBadRequest, r.Host, err))
 		return
+	case ownPort(target.Port()):
+		refuse(http.StatusBadRequest, "loop", fmt.Errorf("%w: %s is a port of the proxy's own", ErrLoop, target))
+		return
 	case !dstW.HasAddress(target.Addr()) || p.state.LocalByIP(target.Addr()) == nil || p.state.LocalByIP(target.Addr()).UID != dstW.UID:
 		refuse(http.StatusBadRequest, "authority-mismatch", fmt.Errorf("%w: %s is not an address of %s, the workload this connection's certificate is for",
 			ErrBadRequest, target, dstW.UID))

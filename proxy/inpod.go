@@ -294,6 +294,11 @@ func (p *Proxy) inboundPlain(ctx context.Context, conn *net.TCPConn, pod *inPodP
 		reset(conn)
 		return
 	}
+	if ownPort(dst.Port()) {
+		p.refuse(DirectionInbound, "loop", src, dst, "", "", fmt.Errorf("%w: %s is a port of the proxy's own", ErrLoop, dst))
+		reset(conn)
+		return
+	}
 	if !p.awaitSynced(ctx, conn, DirectionInbound, src, dst) {
 		return
 	}
