@@ -72,17 +72,37 @@ func TestApplyRejectsPerResource(t *testing.T) {
 	}
 }
 
-// TestReplacedAddress: a pod replaced by another with its address keeps
-// the newcomer indexed when the old one's removal comes after.
+// TestReplacedAddress: a pod replaced by another with its address (the
+// old one terminating, still sent) keeps the newcomer indexed when the old
+// one's removal comes after, whichever of the two was updated last. An
+// address left to no workload would send the newcomer's traffic in plain
+// TCP.
 func TestReplacedAddress(t *testing.T) {
-	s := NewState("node-a")
-	old, _ := workloadFrom(&workloadapi.Workload{Uid: "old", Namespace: "app", Addresses: [][]byte{{10, 0, 0, 1}}})
-	newer, _ := workloadFrom(&workloadapi.Workload{Uid: "new", Namespace: "app", Addresses: [][]byte{{10, 0, 0, 1}}})
-	s.putWorkload("old", old)
-	s.putWorkload("new", newer)
-	s.deleteWorkload("old")
-	if w := s.ByIP(netip.MustParseAddr("10.0.0.1")); w == nil || w.UID != "new" {
-		t.Errorf("address held by %v, want new", w)
+	addr := netip.MustParseAddr("10.0.0.1")
+	old, _ := workloadFrom(&workloadapi.Workload{Uid: "old", Namespace: "app", Addresses: [][]byte{addr.AsSlice()}})
+	newer, _ := workloadFrom(&workloadapi.Workload{Uid: "new", Namespace: "app", Addresses: [][]byte{addr.AsSlice()}})
+	for _, tc := range []struct {
+		name string
+		puts []*Workload
+	}{
+		{"the newcomer updated last", []*Workload{old, newer}},
+		{"the old one updated last", []*Workload{old, newer, old}},
+	} {
+		s := NewState("node-a")
+		for _, w := range tc.puts {
+			s.putWorkload(w.UID, w)
+		}
+		if w := s.ByIP(addr); w != tc.puts[len(tc.puts)-1] {
+			t.Errorf("%s: address held by %v, want the latest put", tc.name, w)
+		}
+		s.deleteWorkload("old")
+		if w := s.ByIP(addr); w == nil || w.UID != "new" {
+			t.Errorf("%s, then the old one removed: address held by %v, want new", tc.name, w)
+		}
+		s.deleteWorkload("new")
+		if w := s.ByIP(addr); w != nil {
+			t.Errorf("%s, then both removed: address held by %v", tc.name, w)
+		}
 	}
 }
 

@@ -85,8 +85,11 @@ type State struct {
 	mu        sync.RWMutex
 	workloads map[string]*Workload // by resource name
 	byUID     map[string]*Workload
-	byIP      map[netip.Addr]*Workload
-	policies  map[string]*security.Authorization // by resource name "ns/name"
+	// byIP holds every workload of an address, the latest put last: a
+	// pod's address is taken by its successor while it terminates, and
+	// either may be removed or updated first.
+	byIP     map[netip.Addr][]*Workload
+	policies map[string]*security.Authorization // by resource name "ns/name"
 	// changed is closed and replaced at every change, so that the
 	// certificate manager wakes up for new and gone local workloads.
 	changed chan struct{}
@@ -98,7 +101,7 @@ func NewState(localNode string) *State {
 		localNode: localNode,
 		workloads: map[string]*Workload{},
 		byUID:     map[string]*Workload{},
-		byIP:      map[netip.Addr]*Workload{},
+		byIP:      map[netip.Addr][]*Workload{},
 		policies:  map[string]*security.Authorization{},
 		changed:   make(chan struct{}),
 	}
@@ -114,11 +117,16 @@ func (s *State) Changed() <-chan struct{} {
 	return s.changed
 }
 
-// ByIP returns the workload that has the address, or nil.
+// ByIP returns the workload that has the address (of several, the latest
+// put), or nil.
 func (s *State) ByIP(ip netip.Addr) *Workload {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return s.byIP[ip.Unmap()]
+	holders := s.byIP[ip.Unmap()]
+	if len(holders) == 0 {
+		return nil
+	}
+	return holders[len(holders)-1]
 }
 
 // ByUID returns the workload of that uid, or nil.
@@ -205,7 +213,7 @@ func (s *State) putWorkload(name string, w *Workload) {
 	s.workloads[name] = w
 	s.byUID[w.UID] = w
 	for _, ip := range w.Addresses {
-		s.byIP[ip] = w
+		s.byIP[ip] = append(s.byIP[ip], w)
 	}
 	s.signalLocked()
 }
@@ -230,9 +238,10 @@ func (s *State) deleteWorkloadLocked(name string) bool {
 		delete(s.byUID, old.UID)
 	}
 	for _, ip := range old.Addresses {
-		// Another workload may have taken the address meanwhile (a pod
-		// replaced by one with its address): keep its entry.
-		if s.byIP[ip] == old {
+		// Other workloads holding the address keep it.
+		if holders := slices.DeleteFunc(s.byIP[ip], func(w *Workload) bool { return w == old }); len(holders) > 0 {
+			s.byIP[ip] = holders
+		} else {
 			delete(s.byIP, ip)
 		}
 	}
