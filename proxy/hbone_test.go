@@ -3,6 +3,7 @@
 package proxy
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/ecdsa"
@@ -81,6 +82,7 @@ func newHBONEPair(t *testing.T) *hbonePair {
 	t.Cleanup(func() { l.Close() })
 	h.a.peerHBONEPort = uint16(l.Addr().(*net.TCPAddr).Port)
 	go h.b.accept(ctx, l, h.b.inboundSlots, DirectionInbound, h.b.handleInbound)
+	go h.b.enforcePolicies(ctx)
 
 	// api's application.
 	app, err := net.Listen("tcp", hbAPIIP+":0")
@@ -325,6 +327,41 @@ func TestHBONERefusals(t *testing.T) {
 		t.Errorf("the application got a connection from %s", saw)
 	default:
 	}
+}
+
+// TestPolicyChangeClosesLiveTunnels: policies are checked again when they
+// change, for the connections already open: one still allowed stays, one
+// denied now ends.
+func TestPolicyChangeClosesLiveTunnels(t *testing.T) {
+	h := newHBONEPair(t)
+	pod := h.connect(t, h.app)
+	pod.SetDeadline(time.Now().Add(10 * time.Second))
+	r := bufio.NewReader(pod)
+	echo := func(msg string) (string, error) {
+		if _, err := fmt.Fprintln(pod, msg); err != nil {
+			return "", err
+		}
+		return r.ReadString('\n')
+	}
+	if line, err := r.ReadString('\n'); err != nil || !strings.HasPrefix(line, "hello ") {
+		t.Fatalf("tunnel: %q, %v", line, err)
+	}
+	web := []*security.StringMatch{{MatchType: &security.StringMatch_Exact{Exact: "cluster.local/ns/app/sa/web"}}}
+	policy := func(name string, action security.Action) *security.Authorization {
+		return &security.Authorization{Name: name, Namespace: "app", Scope: security.Scope_NAMESPACE, Action: action,
+			Groups: []*security.Group{{Rules: []*security.Rules{{Matches: []*security.Match{{Principals: web}}}}}}}
+	}
+
+	h.b.state.putPolicy("app/allow-web", policy("allow-web", security.Action_ALLOW))
+	if line, err := echo("allowed"); line != "allowed\n" || err != nil {
+		t.Fatalf("after an ALLOW for web the tunnel echoed %q, %v", line, err)
+	}
+	h.b.state.putPolicy("app/deny-web", policy("deny-web", security.Action_DENY))
+	h.expectCount(t, h.b.metrics.Refused.WithLabelValues(DirectionInbound, "denied-since"), 1)
+	if line, err := echo("denied"); err == nil {
+		t.Errorf("after a DENY for web the tunnel echoed %q", line)
+	}
+	eventually(t, func() bool { return strings.Contains(h.bLog.String(), "app/deny-web") }, "b's log names the policy that closed the tunnel")
 }
 
 // rogue connects to b's HBONE listener from web's address with cert (or

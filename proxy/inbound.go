@@ -112,7 +112,8 @@ func (p *Proxy) serveConnect(ctx context.Context, w http.ResponseWriter, r *http
 		refuse(http.StatusForbidden, "source-identity-mismatch", fmt.Errorf("%w: %s connects from %s, held by %s", ErrPeerIdentity, srcID, peer.Addr(), holder))
 		return
 	}
-	if d := Authorize(p.state.Policies(dstW), Connection{Source: peer, Destination: target, SourceIdentity: srcID}); !d.Allowed {
+	conn := Connection{Source: peer, Destination: target, SourceIdentity: srcID}
+	if d := Authorize(p.state.Policies(dstW), conn); !d.Allowed {
 		refuse(http.StatusForbidden, "denied", fmt.Errorf("%w: %s", ErrDenied, orNone(d.Policy)))
 		return
 	}
@@ -129,6 +130,8 @@ func (p *Proxy) serveConnect(ctx context.Context, w http.ResponseWriter, r *http
 	p.opened(DirectionInbound, ProtocolHBONE, peer, target, srcID, dstW.Identity)
 	opts := p.counters(DirectionInbound, ProtocolHBONE)
 	opts.returnOnReceivedEOF = true
+	ctx, done := p.live.add(ctx, dstW, conn)
+	defer done()
 	res := relay(ctx, p.bufs, stream, newTCPStream(up), opts)
 	stream.finish()
 	p.closed(DirectionInbound, ProtocolHBONE, peer, target, res)

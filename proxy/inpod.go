@@ -309,7 +309,8 @@ func (p *Proxy) inboundPlain(ctx context.Context, conn *net.TCPConn, pod *inPodP
 		reset(conn)
 		return
 	}
-	if d := Authorize(p.state.Policies(dstW), Connection{Source: src, Destination: dst}); !d.Allowed {
+	connection := Connection{Source: src, Destination: dst}
+	if d := Authorize(p.state.Policies(dstW), connection); !d.Allowed {
 		p.refuse(DirectionInbound, "denied", src, dst, "", dstW.Identity, fmt.Errorf("%w: %s", ErrDenied, orNone(d.Policy)))
 		reset(conn)
 		return
@@ -321,6 +322,8 @@ func (p *Proxy) inboundPlain(ctx context.Context, conn *net.TCPConn, pod *inPodP
 		return
 	}
 	p.opened(DirectionInbound, ProtocolPlain, src, dst, "", dstW.Identity)
+	ctx, done := p.live.add(ctx, dstW, connection)
+	defer done()
 	res := relay(ctx, p.bufs, newTCPStream(conn), newTCPStream(up), p.counters(DirectionInbound, ProtocolPlain))
 	p.closed(DirectionInbound, ProtocolPlain, src, dst, res)
 }

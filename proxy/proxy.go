@@ -42,6 +42,8 @@ type Proxy struct {
 	pool      *tunnelPool
 	h2        *http2.Server
 	bufs      *buffers
+	// live are the inbound connections, rechecked at policy changes.
+	live *liveConns
 
 	// peerHBONEPort is where peers' HBONE listeners are (15008; tests
 	// move it).
@@ -70,6 +72,7 @@ func New(cfg Config, log *slog.Logger) *Proxy {
 		certs:         NewCertificates(cfg, state, m, log),
 		transport:     newHBONETransport(),
 		pool:          newTunnelPool(),
+		live:          newLiveConns(),
 		h2:            newHBONEServer(),
 		bufs:          newBuffers(),
 		peerHBONEPort: HBONEPort,
@@ -206,6 +209,7 @@ func (p *Proxy) Run(ctx context.Context) error {
 	}
 	run(func() { p.watchReadiness(ctx) })
 	run(func() { p.sweepTunnels(ctx) })
+	run(func() { p.enforcePolicies(ctx) })
 	for _, l := range outbound {
 		run(func() { p.accept(ctx, l, p.outboundSlots, DirectionOutbound, p.handleOutbound) })
 	}

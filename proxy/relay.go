@@ -96,7 +96,7 @@ func relay(ctx context.Context, bufs *buffers, src, dst halfStream, opts relayOp
 		mu.Unlock()
 		abort()
 	}
-	stop := context.AfterFunc(ctx, func() { fail(ctx.Err()) })
+	stop := context.AfterFunc(ctx, func() { fail(context.Cause(ctx)) })
 	defer stop()
 	idle := opts.idle
 	if idle > 0 {

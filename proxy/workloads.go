@@ -93,6 +93,9 @@ type State struct {
 	// changed is closed and replaced at every change, so that the
 	// certificate manager wakes up for new and gone local workloads.
 	changed chan struct{}
+	// policiesChanged is the same for what decides which policies apply:
+	// the policies and this node's workloads.
+	policiesChanged chan struct{}
 }
 
 // NewState returns an empty state for a proxy on localNode.
@@ -104,6 +107,8 @@ func NewState(localNode string) *State {
 		byIP:      map[netip.Addr][]*Workload{},
 		policies:  map[string]*security.Authorization{},
 		changed:   make(chan struct{}),
+
+		policiesChanged: make(chan struct{}),
 	}
 }
 
@@ -115,6 +120,14 @@ func (s *State) Changed() <-chan struct{} {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return s.changed
+}
+
+// PoliciesChanged is closed at the next change of the policies or of a
+// workload of this node.
+func (s *State) PoliciesChanged() <-chan struct{} {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.policiesChanged
 }
 
 // ByIP returns the workload that has the address (of several, the latest
@@ -209,6 +222,9 @@ func (s *State) Policies(w *Workload) []*security.Authorization {
 func (s *State) putWorkload(name string, w *Workload) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if old := s.workloads[name]; w.Node == s.localNode || old != nil && old.Node == s.localNode {
+		s.signalPoliciesLocked()
+	}
 	s.deleteWorkloadLocked(name)
 	s.workloads[name] = w
 	s.byUID[w.UID] = w
@@ -223,6 +239,9 @@ func (s *State) putWorkload(name string, w *Workload) {
 func (s *State) deleteWorkload(name string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if old := s.workloads[name]; old != nil && old.Node == s.localNode {
+		s.signalPoliciesLocked()
+	}
 	if s.deleteWorkloadLocked(name) {
 		s.signalLocked()
 	}
@@ -253,6 +272,7 @@ func (s *State) putPolicy(name string, p *security.Authorization) {
 	defer s.mu.Unlock()
 	s.policies[name] = p
 	s.signalLocked()
+	s.signalPoliciesLocked()
 }
 
 func (s *State) deletePolicy(name string) {
@@ -261,10 +281,16 @@ func (s *State) deletePolicy(name string) {
 	if _, ok := s.policies[name]; ok {
 		delete(s.policies, name)
 		s.signalLocked()
+		s.signalPoliciesLocked()
 	}
 }
 
 func (s *State) signalLocked() {
 	close(s.changed)
 	s.changed = make(chan struct{})
+}
+
+func (s *State) signalPoliciesLocked() {
+	close(s.policiesChanged)
+	s.policiesChanged = make(chan struct{})
 }
