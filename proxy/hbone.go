@@ -34,6 +34,12 @@ const (
 	// open tunnel, idle or not (frameSizeClamp; 64 KiB frames cost an idle
 	// tunnel 48 KiB more).
 	h2FrameSize = 16 << 10
+	// maxHandshakesPerSource bounds the connections of one source address
+	// not yet through their TLS handshake: a stranger holding idle
+	// connections takes at most that many of the node's slots. A peer's
+	// tunnels leave from their pods' addresses and are pooled, so a pod
+	// has one handshake under way per destination pod of this node.
+	maxHandshakesPerSource = 256
 )
 
 // newHBONETransport is the HTTP/2 client side: ClientConns made on the

@@ -21,6 +21,7 @@ import (
 	"net/netip"
 	"net/url"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -362,6 +363,45 @@ func TestPolicyChangeClosesLiveTunnels(t *testing.T) {
 		t.Errorf("after a DENY for web the tunnel echoed %q", line)
 	}
 	eventually(t, func() bool { return strings.Contains(h.bLog.String(), "app/deny-web") }, "b's log names the policy that closed the tunnel")
+}
+
+// TestIdleStrangersLeaveSlots: connections that never start a TLS
+// handshake hold at most maxHandshakesPerSource of the node's slots per
+// source address; beyond, they are reset at once, and a mesh peer's tunnel
+// still gets a slot.
+func TestIdleStrangersLeaveSlots(t *testing.T) {
+	h := newHBONEPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	const perSource = 8
+	b := h.newProxy("node-b", h.bLog)
+	h.give(b, h.ca, hbAPIID)
+	b.handshakes = newPerSource(perSource)
+	b.inboundSlots = make(chan struct{}, perSource+1)
+	l, err := net.Listen("tcp", hbAPIIP+":0")
+	must(t, err)
+	defer l.Close()
+	go b.accept(ctx, l, b.inboundSlots, DirectionInbound, b.handleInbound)
+
+	for range perSource + 1 {
+		// On loopback the last one's reset may come before its dial
+		// has seen its connection made.
+		c, err := dialFrom(ctx, netip.MustParseAddr(hbOtherIP), addrPort(l.Addr()))
+		if err != nil && !errors.Is(err, syscall.ECONNRESET) {
+			t.Fatal(err)
+		}
+		if err == nil {
+			defer c.Close()
+		}
+	}
+	h.expectCount(t, b.metrics.Refused.WithLabelValues(DirectionInbound, "source-overloaded"), 1)
+	eventually(t, func() bool { return len(b.inboundSlots) == perSource }, "the stranger holds its share of the slots")
+	h.a.peerHBONEPort = addrPort(l.Addr()).Port()
+	pod := h.connect(t, h.app)
+	pod.SetDeadline(time.Now().Add(5 * time.Second))
+	if line, err := bufio.NewReader(pod).ReadString('\n'); !strings.HasPrefix(line, "hello ") {
+		t.Errorf("web's tunnel read %q, %v while a stranger held idle connections", line, err)
+	}
 }
 
 // rogue connects to b's HBONE listener from web's address with cert (or

@@ -29,6 +29,14 @@ func (p *Proxy) handleInbound(ctx context.Context, conn *net.TCPConn) {
 // source's name.
 func (p *Proxy) inbound(ctx context.Context, conn *net.TCPConn, dial dialer) {
 	local, peer := addrPort(conn.LocalAddr()), addrPort(conn.RemoteAddr())
+	handshaken, ok := p.handshakes.take(peer.Addr())
+	if !ok {
+		p.refuse(DirectionInbound, "source-overloaded", peer, local, "", "",
+			fmt.Errorf("%w: %d handshakes under way from %s", ErrOverloaded, maxHandshakesPerSource, peer.Addr()))
+		reset(conn)
+		return
+	}
+	defer handshaken()
 	if !p.awaitSynced(ctx, conn, DirectionInbound, peer, local) {
 		return
 	}
@@ -65,6 +73,7 @@ func (p *Proxy) inbound(ctx context.Context, conn *net.TCPConn, dial dialer) {
 		return
 	}
 	defer tlsConn.Close()
+	handshaken()
 	p.h2.ServeConn(tlsConn, &http2.ServeConnOpts{
 		Context:    ctx,
 		BaseConfig: &http.Server{MaxHeaderBytes: maxHeaderBytes},

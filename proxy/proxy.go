@@ -44,6 +44,9 @@ type Proxy struct {
 	bufs      *buffers
 	// live are the inbound connections, rechecked at policy changes.
 	live *liveConns
+	// handshakes counts inbound connections not through their handshake,
+	// by source address.
+	handshakes *perSource
 
 	// peerHBONEPort is where peers' HBONE listeners are (15008; tests
 	// move it).
@@ -73,6 +76,7 @@ func New(cfg Config, log *slog.Logger) *Proxy {
 		transport:     newHBONETransport(),
 		pool:          newTunnelPool(),
 		live:          newLiveConns(),
+		handshakes:    newPerSource(maxHandshakesPerSource),
 		h2:            newHBONEServer(),
 		bufs:          newBuffers(),
 		peerHBONEPort: HBONEPort,
