@@ -26,7 +26,8 @@ type liveConn struct {
 func newLiveConns() *liveConns { return &liveConns{conns: map[*liveConn]struct{}{}} }
 
 // add registers a connection to dst: the context returned ends when a
-// policy no longer allows it; done removes it.
+// policy no longer allows it; done removes it. A connection is registered
+// before its first check, so that no change falls between the two.
 func (l *liveConns) add(ctx context.Context, dst *Workload, c Connection) (_ context.Context, done func()) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	lc := &liveConn{dstUID: dst.UID, conn: c, cancel: cancel}
@@ -64,13 +65,15 @@ func (l *liveConns) recheck(state *State) (closed int) {
 // enforcePolicies rechecks the live inbound connections at each change of
 // the policies or of this node's workloads.
 func (p *Proxy) enforcePolicies(ctx context.Context) {
+	changed := p.state.PoliciesChanged()
 	for {
-		changed := p.state.PoliciesChanged()
 		select {
 		case <-ctx.Done():
 			return
 		case <-changed:
 		}
+		// Taken before the recheck: a change during it wakes the next.
+		changed = p.state.PoliciesChanged()
 		if n := p.live.recheck(p.state); n > 0 {
 			p.metrics.Refused.WithLabelValues(DirectionInbound, "denied-since").Add(float64(n))
 		}

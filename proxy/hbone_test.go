@@ -357,12 +357,116 @@ func TestPolicyChangeClosesLiveTunnels(t *testing.T) {
 	if line, err := echo("allowed"); line != "allowed\n" || err != nil {
 		t.Fatalf("after an ALLOW for web the tunnel echoed %q, %v", line, err)
 	}
-	h.b.state.putPolicy("app/deny-web", policy("deny-web", security.Action_DENY))
+	h.b.state.putPolicy("app/deny-web", denyWeb("deny-web"))
 	h.expectCount(t, h.b.metrics.Refused.WithLabelValues(DirectionInbound, "denied-since"), 1)
 	if line, err := echo("denied"); err == nil {
 		t.Errorf("after a DENY for web the tunnel echoed %q", line)
 	}
 	eventually(t, func() bool { return strings.Contains(h.bLog.String(), "app/deny-web") }, "b's log names the policy that closed the tunnel")
+}
+
+// TestPolicyChangeDuringDial: a DENY that arrives while an allowed
+// CONNECT dials the pod applies to it: the connection is registered
+// before its first check.
+func TestPolicyChangeDuringDial(t *testing.T) {
+	h := newHBONEPair(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	dialing, release := make(chan struct{}), make(chan struct{})
+	slow := func(ctx context.Context, src netip.Addr, dst netip.AddrPort) (*net.TCPConn, error) {
+		close(dialing)
+		<-release
+		return dialFrom(ctx, src, dst)
+	}
+	l, err := net.Listen("tcp", hbAPIIP+":0")
+	must(t, err)
+	defer l.Close()
+	go h.b.accept(ctx, l, h.b.inboundSlots, DirectionInbound, func(ctx context.Context, c *net.TCPConn) { h.b.inbound(ctx, c, slow) })
+	h.a.peerHBONEPort = addrPort(l.Addr()).Port()
+	pod := h.connect(t, h.app)
+	<-dialing
+	h.b.state.putPolicy("app/deny-web", denyWeb("deny-web"))
+	h.expectCount(t, h.b.metrics.Refused.WithLabelValues(DirectionInbound, "denied-since"), 1)
+	close(release)
+	h.expectReset(t, pod)
+}
+
+// TestPolicyChangesDuringRecheck: a change that comes while the live
+// connections are being checked is checked too. Many live connections
+// make a check long enough for the second change to land in it.
+func TestPolicyChangesDuringRecheck(t *testing.T) {
+	p := New(Config{NodeName: "node-b", TrustDomain: "cluster.local"}, slog.New(slog.DiscardHandler))
+	api := &Workload{UID: "api", Name: "api", Namespace: "app", Node: "node-b", Identity: hbAPIID,
+		Addresses: []netip.Addr{netip.MustParseAddr(hbAPIIP)}}
+	p.state.putWorkload("api", api)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go p.enforcePolicies(ctx)
+	others := Connection{Source: netip.MustParseAddrPort(hbOtherIP + ":1"), Destination: netip.MustParseAddrPort(hbAPIIP + ":80"),
+		SourceIdentity: "spiffe://cluster.local/ns/x/sa/y"}
+	for range 5000 {
+		p.live.add(ctx, api, others)
+	}
+	web := Connection{Source: netip.MustParseAddrPort(hbWebIP + ":1"), Destination: others.Destination, SourceIdentity: hbWebID}
+	missed := 0
+	for i := range 50 {
+		live, done := p.live.add(ctx, api, web)
+		// A change of another namespace's policy wakes a check that
+		// still allows web; the DENY for web lands while it runs.
+		p.state.putPolicy(fmt.Sprint("other/deny-", i), &security.Authorization{Name: "deny", Namespace: "other",
+			Scope: security.Scope_NAMESPACE, Action: security.Action_DENY})
+		time.Sleep(time.Millisecond)
+		p.state.putPolicy("app/deny-web", denyWeb("deny-web"))
+		select {
+		case <-live.Done():
+		case <-time.After(time.Second):
+			missed++
+		}
+		done()
+		p.state.deletePolicy("app/deny-web")
+	}
+	if missed > 0 {
+		t.Errorf("%d of 50 DENYs did not close web's live connection", missed)
+	}
+}
+
+func denyWeb(name string) *security.Authorization {
+	web := []*security.StringMatch{{MatchType: &security.StringMatch_Exact{Exact: "cluster.local/ns/app/sa/web"}}}
+	return &security.Authorization{Name: name, Namespace: "app", Scope: security.Scope_NAMESPACE, Action: security.Action_DENY,
+		Groups: []*security.Group{{Rules: []*security.Rules{{Matches: []*security.Match{{Principals: web}}}}}}}
+}
+
+// TestOutboundToProxyPorts: a local mesh pod's address on one of the
+// proxy's ports is refused as a loop (in-pod, the proxy listens there);
+// a local pod out of the mesh has no proxy in it, and is reached there in
+// plain TCP as on any port. Nothing is dialled: the dialer records.
+func TestOutboundToProxyPorts(t *testing.T) {
+	h := newHBONEPair(t)
+	mesh, plain := netip.MustParseAddr("192.0.2.31"), netip.MustParseAddr("192.0.2.32")
+	h.a.state.putWorkload("mesh", &Workload{UID: "mesh", Name: "mesh", Namespace: "app", Node: "node-a", HBONE: true,
+		Identity: "spiffe://cluster.local/ns/app/sa/mesh", Addresses: []netip.Addr{mesh}})
+	h.a.state.putWorkload("plain", &Workload{UID: "plain", Name: "plain", Namespace: "app", Node: "node-a",
+		Addresses: []netip.Addr{plain}})
+	dialled := make(chan netip.AddrPort, 2)
+	recordOnly := func(_ context.Context, _ netip.Addr, dst netip.AddrPort) (*net.TCPConn, error) {
+		dialled <- dst
+		return nil, errors.New("not dialled in this test")
+	}
+	for _, dst := range []netip.AddrPort{netip.AddrPortFrom(mesh, InboundPlainPort), netip.AddrPortFrom(plain, InboundPlainPort)} {
+		pod := podConn(t, func(captured *net.TCPConn, src netip.AddrPort) {
+			h.a.outbound(context.Background(), captured, src, dst, nil, recordOnly)
+		})
+		io.ReadAll(pod)
+	}
+	h.expectCount(t, h.a.metrics.Refused.WithLabelValues(DirectionOutbound, "loop"), 1)
+	select {
+	case got := <-dialled:
+		if got.Addr() != plain {
+			t.Errorf("dialled %s; want only the plain pod", got)
+		}
+	case <-time.After(5 * time.Second):
+		t.Errorf("the plain pod was not dialled")
+	}
 }
 
 // TestIdleStrangersLeaveSlots: connections that never start a TLS

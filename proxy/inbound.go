@@ -122,11 +122,13 @@ func (p *Proxy) serveConnect(ctx context.Context, w http.ResponseWriter, r *http
 		return
 	}
 	conn := Connection{Source: peer, Destination: target, SourceIdentity: srcID}
+	ctx, done := p.live.add(ctx, dstW, conn)
+	defer done()
 	if d := Authorize(p.state.Policies(dstW), conn); !d.Allowed {
 		refuse(http.StatusForbidden, "denied", fmt.Errorf("%w: %s", ErrDenied, orNone(d.Policy)))
 		return
 	}
-	up, err := dial(r.Context(), peer.Addr(), target)
+	up, err := dial(ctx, peer.Addr(), target)
 	if err != nil {
 		refuse(http.StatusServiceUnavailable, "connect-failed", err)
 		return
@@ -139,8 +141,6 @@ func (p *Proxy) serveConnect(ctx context.Context, w http.ResponseWriter, r *http
 	p.opened(DirectionInbound, ProtocolHBONE, peer, target, srcID, dstW.Identity)
 	opts := p.counters(DirectionInbound, ProtocolHBONE)
 	opts.returnOnReceivedEOF = true
-	ctx, done := p.live.add(ctx, dstW, conn)
-	defer done()
 	res := relay(ctx, p.bufs, stream, newTCPStream(up), opts)
 	stream.finish()
 	p.closed(DirectionInbound, ProtocolHBONE, peer, target, res)

@@ -310,6 +310,8 @@ func (p *Proxy) inboundPlain(ctx context.Context, conn *net.TCPConn, pod *inPodP
 		return
 	}
 	connection := Connection{Source: src, Destination: dst}
+	ctx, done := p.live.add(ctx, dstW, connection)
+	defer done()
 	if d := Authorize(p.state.Policies(dstW), connection); !d.Allowed {
 		p.refuse(DirectionInbound, "denied", src, dst, "", dstW.Identity, fmt.Errorf("%w: %s", ErrDenied, orNone(d.Policy)))
 		reset(conn)
@@ -322,8 +324,6 @@ func (p *Proxy) inboundPlain(ctx context.Context, conn *net.TCPConn, pod *inPodP
 		return
 	}
 	p.opened(DirectionInbound, ProtocolPlain, src, dst, "", dstW.Identity)
-	ctx, done := p.live.add(ctx, dstW, connection)
-	defer done()
 	res := relay(ctx, p.bufs, newTCPStream(conn), newTCPStream(up), p.counters(DirectionInbound, ProtocolPlain))
 	p.closed(DirectionInbound, ProtocolPlain, src, dst, res)
 }

@@ -48,9 +48,9 @@ func (p *Proxy) outbound(ctx context.Context, conn *net.TCPConn, src, dst netip.
 		reset(conn)
 		return
 	}
-	// In-pod, a local pod's address on the proxy's ports is the proxy's
-	// listener in that pod.
-	if p.isSelf(dst.Addr()) || ownPort(dst.Port()) && p.state.LocalByIP(dst.Addr()) != nil {
+	// In-pod, a local mesh pod's address on the proxy's ports is the
+	// proxy's listener in that pod.
+	if local := p.state.LocalByIP(dst.Addr()); p.isSelf(dst.Addr()) || ownPort(dst.Port()) && local != nil && local.HBONE {
 		p.refuse(DirectionOutbound, "loop", src, dst, srcW.Identity, "", ErrLoop)
 		reset(conn)
 		return
