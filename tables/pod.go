@@ -56,10 +56,13 @@ func (p *Pod) Key() string { return p.Namespace + "/" + p.Name }
 // Finished reports whether the pod has terminated for good.
 func (p *Pod) Finished() bool { return p.Phase == "Succeeded" || p.Phase == "Failed" }
 
-// ServiceAccountOrDefault is the service account Kubernetes applies when none is set.
+// DefaultServiceAccount is the service account Kubernetes applies when none is set.
+const DefaultServiceAccount = "default"
+
+// ServiceAccountOrDefault is the pod's service account, or the default.
 func (p *Pod) ServiceAccountOrDefault() string {
 	if p.ServiceAccount == "" {
-		return "default"
+		return DefaultServiceAccount
 	}
 	return p.ServiceAccount
 }

@@ -32,7 +32,11 @@ type Config struct {
 	ClusterID string
 }
 
-var defaultConfig = Config{ClusterID: "Kubernetes"}
+// DefaultClusterID is Istio's default cluster id, which ztunnel assumes
+// when a Workload names none.
+const DefaultClusterID = "Kubernetes"
+
+var defaultConfig = Config{ClusterID: DefaultClusterID}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(flags *pflag.FlagSet) {

@@ -28,7 +28,7 @@ func TestNew(t *testing.T) {
 	got := w.Decode()
 	want := &workloadapi.Workload{
 		Uid: "cluster-1//Pod/shop/web-7d9f8b6c5-x2x4z", Name: "web-7d9f8b6c5-x2x4z", Namespace: "shop",
-		ServiceAccount: "default", Node: "node-a", TrustDomain: "example.org", ClusterId: "cluster-1",
+		Node: "node-a", TrustDomain: "example.org", ClusterId: "cluster-1", // service account: the default, left out
 		WorkloadType: workloadapi.WorkloadType_POD, WorkloadName: "web", CanonicalName: "storefront",
 		CanonicalRevision: "v2", TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
 		Addresses: [][]byte{netip.MustParseAddr("10.0.1.5").AsSlice(), netip.MustParseAddr("fd00::5").AsSlice()},
@@ -40,10 +40,17 @@ func TestNew(t *testing.T) {
 		t.Errorf("row %+v", w)
 	}
 
-	// The default trust domain is left out, as Istio leaves it out: agents
-	// read an empty one as cluster.local.
-	if td := mustNew(t, "cluster-1", "cluster.local", pod, true).Decode().GetTrustDomain(); td != "" {
-		t.Errorf("trust domain %q sent, want the default left out", td)
+	// Defaults are left out, as agents read an empty trust domain as
+	// cluster.local, cluster id as Kubernetes, service account as default;
+	// any other value is sent.
+	defaults := mustNew(t, "Kubernetes", "cluster.local", pod, true).Decode()
+	if defaults.GetTrustDomain() != "" || defaults.GetClusterId() != "" || defaults.GetServiceAccount() != "" {
+		t.Errorf("defaults sent: trust domain %q, cluster id %q, service account %q", defaults.GetTrustDomain(), defaults.GetClusterId(), defaults.GetServiceAccount())
+	}
+	withSA := *pod
+	withSA.ServiceAccount = "storefront"
+	if sa := mustNew(t, "Kubernetes", "cluster.local", &withSA, true).Decode().GetServiceAccount(); sa != "storefront" {
+		t.Errorf("service account %q sent, want storefront", sa)
 	}
 
 	// A row locates its uid in 16 bits: a uid longer is refused, not cut.
