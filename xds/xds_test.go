@@ -202,7 +202,7 @@ func TestDeltaStream(t *testing.T) {
 		case webUID:
 			want := &workloadapi.Workload{
 				Uid: webUID, Name: "web", Namespace: "app", ServiceAccount: "web", Node: "node-a",
-				Addresses: [][]byte{{10, 0, 1, 10}}, // trust domain and cluster id: the defaults, left out
+				Addresses:    [][]byte{{10, 0, 1, 10}}, // trust domain and cluster id: the defaults, left out
 				WorkloadType: workloadapi.WorkloadType_POD, TunnelProtocol: workloadapi.TunnelProtocol_NONE,
 				CanonicalName: "web", CanonicalRevision: "v2", WorkloadName: "web",
 				Status: workloadapi.WorkloadStatus_HEALTHY,
