@@ -64,7 +64,7 @@ func bench(b *testing.B, prog *ebpf.Program, cases []decision) {
 // (node-ingress).
 func BenchmarkAgentLookup(b *testing.B) {
 	objs := loadNode(b)
-	node, withNetns := agentNamespaces(b)
+	node, _, withNetns := agentNamespaces(b)
 	if err := objs.Redirects.Update(bpf.AgentKey, withNetns); err != nil {
 		b.Fatal(err)
 	}

@@ -3,7 +3,8 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // The datapath of CFP-32759: TCP of enrolled pods is steered, in the kernel,
-// to the node's mTLS agent. Two programs share one map:
+// to the node's mTLS agent. Two programs share one map of addresses
+// (redirect_map; from_pod also keeps proxied_map, its connections):
 //
 //   from_pod      TCX ingress of a local pod's host-side interface (packets
 //                 the pod sends). New connections of an enrolled pod to an
@@ -73,6 +74,28 @@ struct {
 	__uint(map_flags, BPF_F_RDONLY_PROG);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } redirect_map SEC(".maps");
+
+// A connection as its pod sends it.
+struct conn_key {
+	struct redirect_key src;
+	struct redirect_key dst;
+	__be16 sport;
+	__be16 dport;
+};
+
+// The connections from_pod handed to an agent. A later packet of one that no
+// agent holds any more (the agent is gone, or came back in a new network
+// namespace) is dropped: the pod's peer was the agent, and passing the
+// packet on would send its payload in clear to the real destination (say
+// the next request on a pooled HTTP connection). LRU: the entries of closed
+// connections age out. Pinned, so that a restarted node agent keeps them.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct conn_key);
+	__type(value, __u8);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} proxied_map SEC(".maps");
 
 // The parts of a packet the decisions need.
 struct flow {
@@ -262,6 +285,14 @@ static __always_inline int agent_owns(struct __sk_buff *skb, struct flow *f, str
 	return owned;
 }
 
+static __always_inline void conn_of(struct flow *f, struct conn_key *k)
+{
+	__builtin_memcpy(&k->src, &f->src, sizeof(k->src));
+	__builtin_memcpy(&k->dst, &f->dst, sizeof(k->dst));
+	k->sport = f->sport;
+	k->dport = f->dport;
+}
+
 SEC("tcx/ingress")
 int from_pod(struct __sk_buff *skb)
 {
@@ -291,13 +322,26 @@ int from_pod(struct __sk_buff *skb)
 	// Fail closed: an enrolled pod never opens a cross-node connection in
 	// plaintext because the agent is not there yet, and a packet whose
 	// connection cannot be told (no ports) never leaves unproxied.
-	if (!f.has_ports || f.syn)
+	if (!f.has_ports)
 		return to ? steer(skb, to) : TC_ACT_SHOT;
-	// Later packets follow their connection: to the agent if it holds it,
-	// else straight on (replies to plaintext clients of the pod, and
-	// connections older than the redirect).
+	struct conn_key conn = {};
+	__u8 one = 1;
+
+	conn_of(&f, &conn);
+	if (f.syn) {
+		if (!to)
+			return TC_ACT_SHOT;
+		bpf_map_update_elem(&proxied_map, &conn, &one, BPF_ANY);
+		return steer(skb, to);
+	}
+	// Later packets follow their connection: to the agent if it holds it;
+	// dropped if an agent held it once; else straight on (replies to
+	// plaintext clients of the pod, and connections older than the
+	// redirect).
 	if (to && agent_owns(skb, &f, to))
 		return steer(skb, to);
+	if (bpf_map_lookup_elem(&proxied_map, &conn))
+		return TC_ACT_SHOT;
 	return TC_ACT_UNSPEC;
 }
 

@@ -17,6 +17,15 @@ import (
 // MapName is the redirect map's pin name under the bpffs root.
 const MapName = "redirect_map"
 
+// ProxiedMapName is the pin name of the connections from-pod handed to an
+// agent (an LRU map the programs write; its entries are not for operators).
+const ProxiedMapName = "proxied_map"
+
+// MapPins are the paths of every map pinned under the bpffs root.
+func MapPins(root string) []string {
+	return []string{filepath.Join(root, MapName), filepath.Join(root, ProxiedMapName)}
+}
+
 // Objects are the loaded programs and the redirect map.
 type Objects struct {
 	// FromPod runs at TCX ingress of local pods' host-side interfaces.
@@ -32,9 +41,10 @@ type Objects struct {
 	spare redirectPrograms
 }
 
-// Load loads the programs. With root set, the redirect map is the one
-// pinned at root/redirect_map, reused with its entries when it exists and
-// pinned there otherwise: a restarted agent keeps steering without a gap.
+// Load loads the programs. With root set, the maps are the ones pinned at
+// root/redirect_map and root/proxied_map, reused with their entries when
+// they exist and pinned there otherwise: a restarted agent keeps steering
+// without a gap.
 // root must have been prepared with PrepareRoot. With root empty, the map is
 // private to the returned objects (tests, benchmarks).
 //
@@ -53,8 +63,10 @@ func Load(root string) (*Objects, error) {
 			m.Pinning = ebpf.PinNone
 		}
 	} else {
-		if err := checkPinOwner(filepath.Join(root, MapName)); err != nil {
-			return nil, err
+		for _, pin := range MapPins(root) {
+			if err := checkPinOwner(pin); err != nil {
+				return nil, err
+			}
 		}
 		opts.Maps.PinPath = root
 	}
@@ -62,7 +74,9 @@ func Load(root string) (*Objects, error) {
 	if err := spec.LoadAndAssign(&o.objs, opts); err != nil {
 		return nil, fmt.Errorf("load redirect programs: %w", err)
 	}
-	spareOpts := &ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{MapName: o.objs.RedirectMap}}
+	spareOpts := &ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{
+		MapName: o.objs.RedirectMap, ProxiedMapName: o.objs.ProxiedMap,
+	}}
 	if err := spec.LoadAndAssign(&o.spare, spareOpts); err != nil {
 		o.objs.Close()
 		return nil, fmt.Errorf("load redirect programs (spare): %w", err)

@@ -13,6 +13,14 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type redirectConnKey struct {
+	_     structs.HostLayout
+	Src   redirectRedirectKey
+	Dst   redirectRedirectKey
+	Sport uint16
+	Dport uint16
+}
+
 type redirectRedirectKey struct {
 	_    structs.HostLayout
 	Addr [16]uint8
@@ -39,6 +47,7 @@ type redirectRedirectValue struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	redirectMapProxiedMap   = "proxied_map"
 	redirectMapRedirectMap  = "redirect_map"
 	redirectProgFromPod     = "from_pod"
 	redirectProgNodeIngress = "node_ingress"
@@ -94,6 +103,7 @@ type redirectProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectMapSpecs struct {
+	ProxiedMap  *ebpf.MapSpec `ebpf:"proxied_map"`
 	RedirectMap *ebpf.MapSpec `ebpf:"redirect_map"`
 }
 
@@ -123,11 +133,13 @@ func (o *redirectObjects) Close() error {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectMaps struct {
+	ProxiedMap  *ebpf.Map `ebpf:"proxied_map"`
 	RedirectMap *ebpf.Map `ebpf:"redirect_map"`
 }
 
 func (m *redirectMaps) Close() error {
 	return _RedirectClose(
+		m.ProxiedMap,
 		m.RedirectMap,
 	)
 }

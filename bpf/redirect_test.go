@@ -123,7 +123,7 @@ func TestFromPod(t *testing.T) {
 	objs := loadNode(t)
 	check(t, objs.FromPod, []decision{
 		{"enrolled to remote", packet{src: podA, dst: remote, sport: 40000, dport: 8080}.frame(), podAIf, actRedirect},
-		{"enrolled to remote, not a new connection", packet{src: podA, dst: remote, sport: 40000, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actNext},
+		{"enrolled to remote, a connection older than the redirect", packet{src: podA, dst: remote, sport: 39000, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actNext},
 		{"enrolled to remote, reply to a client of the pod", packet{src: podA, dst: remote, sport: 8080, dport: 40000, tcpFlags: flagSYN | flagACK}.frame(), podAIf, actNext},
 		{"enrolled to remote, IPv6", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080}.frame(), podAIf, actRedirect},
 		{"enrolled to remote, IPv6 extension header", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080, extHeaders: 1}.frame(), podAIf, actRedirect},
@@ -159,6 +159,37 @@ func TestFromPodFailsClosed(t *testing.T) {
 		{"enrolled to remote, not a new connection", packet{src: podA, dst: remote, sport: 40000, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actNext},
 		{"enrolled to a local pod", packet{src: podA, dst: podN, sport: 40000, dport: 8080}.frame(), podAIf, actNext},
 		{"not enrolled to remote", packet{src: podN, dst: remote, sport: 40000, dport: 8080}.frame(), podNIf, actNext},
+	})
+}
+
+// TestFromPodAgentGone: a connection the pod opened through an agent that no
+// longer holds it (the agent died, or came back in a new namespace) never
+// goes on to its real destination, in clear, as, say, the next request on
+// a pooled connection would. Connections no agent ever held still pass.
+func TestFromPodAgentGone(t *testing.T) {
+	objs := loadNode(t)
+	opened := packet{src: podA, dst: remote, sport: 40001, dport: 8080}
+	opened6 := packet{src: podA6, dst: remote6, sport: 40001, dport: 8080}
+	check(t, objs.FromPod, []decision{
+		{"opened through the agent", opened.frame(), podAIf, actRedirect},
+		{"opened through the agent, IPv6", opened6.frame(), podAIf, actRedirect},
+	})
+	// The agent's namespace holds none of them (this test's agent has no
+	// namespace: as after it restarted in a new one).
+	opened.tcpFlags, opened6.tcpFlags = flagACK, flagACK
+	reply := packet{src: podA, dst: remote, sport: 8080, dport: 40001, tcpFlags: flagACK}
+	check(t, objs.FromPod, []decision{
+		{"a later packet", opened.frame(), podAIf, actShot},
+		{"a later packet, IPv6", opened6.frame(), podAIf, actShot},
+		{"the reverse tuple: a plaintext client's connection", reply.frame(), podAIf, actNext},
+		{"another port: a connection older than the redirect", packet{src: podA, dst: remote, sport: 40002, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actNext},
+	})
+	if err := objs.Redirects.Delete(bpf.AgentKey); err != nil {
+		t.Fatal(err)
+	}
+	check(t, objs.FromPod, []decision{
+		{"a later packet, no agent at all", opened.frame(), podAIf, actShot},
+		{"a connection no agent held, no agent at all", reply.frame(), podAIf, actNext},
 	})
 }
 

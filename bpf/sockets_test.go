@@ -27,7 +27,7 @@ import (
 // looked up.
 func TestAgentConnections(t *testing.T) {
 	objs := loadNode(t)
-	node, withNetns := agentNamespaces(t)
+	node, _, withNetns := agentNamespaces(t)
 
 	const uplink = 1 // the node namespace's loopback: test runs use it
 	cases := []struct {
@@ -72,25 +72,66 @@ func TestAgentConnections(t *testing.T) {
 // address of this namespace (IP_TRANSPARENT, as an agent connecting in a
 // pod's name), and starts connecting to remote without waiting.
 func connectTransparent(t testing.TB, local, remote netip.AddrPort) error {
+	_, err := connectTransparentFD(t, local, remote)
+	return err
+}
+
+// connectTransparentFD is connectTransparent, returning the socket.
+func connectTransparentFD(t testing.TB, local, remote netip.AddrPort) (int, error) {
 	family, level, opt := unix.AF_INET, unix.SOL_IP, unix.IP_TRANSPARENT
 	if local.Addr().Is6() {
 		family, level, opt = unix.AF_INET6, unix.SOL_IPV6, unix.IPV6_TRANSPARENT
 	}
 	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return err
+		return -1, err
 	}
 	t.Cleanup(func() { unix.Close(fd) })
 	if err := unix.SetsockoptInt(fd, level, opt, 1); err != nil {
-		return err
+		return fd, err
 	}
 	if err := unix.Bind(fd, sockaddr(local)); err != nil {
-		return err
+		return fd, err
 	}
 	if err := unix.Connect(fd, sockaddr(remote)); err != nil && !errors.Is(err, unix.EINPROGRESS) {
-		return err
+		return fd, err
 	}
-	return nil
+	return fd, nil
+}
+
+// TestAgentSocketGone: a connection the pod opened through the agent goes
+// to the agent while the agent's socket lives, and is dropped once the
+// socket is gone (the agent died), not sent on to its destination in clear.
+func TestAgentSocketGone(t *testing.T) {
+	objs := loadNode(t)
+	node, agent, withNetns := agentNamespaces(t)
+	must(t, objs.Redirects.Update(bpf.AgentKey, withNetns))
+	verdict := func(p packet) uint32 {
+		var got uint32
+		must(t, node.Do(func() (err error) {
+			got, _, err = runErr(objs.FromPod, p.frame(), podAIf)
+			return err
+		}))
+		return got
+	}
+	conn := packet{src: podA, dst: remote, sport: 42000, dport: 9444}
+	if got := verdict(conn); got != actRedirect {
+		t.Fatalf("the pod's SYN: verdict %d, want the agent", int32(got))
+	}
+	// The agent accepts it transparently: its end is the destination.
+	var fd int
+	must(t, agent.Do(func() (err error) {
+		fd, err = connectTransparentFD(t, netip.AddrPortFrom(remote, 9444), netip.AddrPortFrom(podA, 42000))
+		return err
+	}))
+	conn.tcpFlags = flagACK
+	if got := verdict(conn); got != actRedirect {
+		t.Fatalf("a later packet, the agent's socket open: verdict %d, want the agent", int32(got))
+	}
+	must(t, unix.Close(fd))
+	if got := verdict(conn); got != actShot {
+		t.Fatalf("a later packet, the agent's socket gone: verdict %d, want dropped", int32(got))
+	}
 }
 
 func sockaddr(ap netip.AddrPort) unix.Sockaddr {
@@ -111,9 +152,9 @@ func must(t testing.TB, err error) {
 // the node knows by an id, holding connections of the agent in pod A's and
 // the remote's names. It returns the node namespace and the agent's entry
 // with that id.
-func agentNamespaces(t testing.TB) (*netnstest.NS, bpf.Entry) {
-	node := netnstest.NewNS(t, "mtlsb-node")
-	agent := netnstest.NewNS(t, "mtlsb-agent")
+func agentNamespaces(t testing.TB) (node, agent *netnstest.NS, withNetns bpf.Entry) {
+	node = netnstest.NewNS(t, "mtlsb-node")
+	agent = netnstest.NewNS(t, "mtlsb-agent")
 	// The agent's namespace: a route to the remote range into a veth pair
 	// that goes nowhere, so that connecting sends a SYN nobody answers and
 	// leaves the socket in SYN_SENT, as while waiting for the reply.
@@ -150,7 +191,7 @@ func agentNamespaces(t testing.TB) (*netnstest.NS, bpf.Entry) {
 	// peer of a veth pair.
 	const nsid = 7
 	must(t, node.Netlink(t).SetNetNsIdByFd(int(agent.Handle), nsid))
-	withNetns := agentNode
+	withNetns = agentNode
 	withNetns.NetnsID = nsid
-	return node, withNetns
+	return node, agent, withNetns
 }

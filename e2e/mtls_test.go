@@ -16,6 +16,7 @@ import (
 	"net"
 	"net/netip"
 	"net/url"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
@@ -460,8 +461,28 @@ func orOK(err error) error {
 // or zds in in-pod mode) with a1 redirected again.
 func restartsFailClosed(t *testing.T, b *bed, p checkPods, stream string, kept func() bool, report func(*flow), note func(string)) {
 	na := b.nodes[0]
+	// A pooled connection, idle when its proxy dies: the proxy's end
+	// closes, and soon no socket is left of it (its FIN_WAIT2 lasts 1 s
+	// here, not 60). The pod's next write on it must not go on to b1 in
+	// clear.
+	pooled := openEcho(t, p.a1, netip.AddrPortFrom(p.b1.ip4, echoPort))
+	pooled.roundTrip(t, newMarker("pooled"))
+	must(t, na.proxyPod.ns.Do(func() error {
+		return os.WriteFile("/proc/sys/net/ipv4/tcp_fin_timeout", []byte("1"), 0o644)
+	}))
 	na.killProxy()
 	note("node-a's proxy killed (SIGKILL)")
+	time.Sleep(2 * time.Second)
+	late := newMarker("pooled-late")
+	b.underlay.Watch(late)
+	pooled.c.SetWriteDeadline(time.Now().Add(requestTimeout))
+	_, lateErr := pooled.c.Write(late)
+	time.Sleep(captureLag)
+	if seen := b.underlay.Seen(late); len(seen) > 0 {
+		t.Errorf("a write on a connection whose proxy died crossed the underlay in clear: %v", seen[0])
+	}
+	note(fmt.Sprintf("a1 wrote on its pooled connection to b1, proxy dead (write: %v); nothing in clear", lateErr))
+	pooled.close()
 	// Both families at once: each waits for its connection to fail.
 	var down [2]*flow
 	var wg sync.WaitGroup

@@ -69,7 +69,7 @@ func inactive(mode steering.Config) bool { return mode.Mode() != steering.ModeL2
 // l2 mode left pinned under --bpf-root: its programs would go on steering
 // pods' TCP to the mTLS agent's namespace, past the other mode's
 // redirection (the BPF twin of Cilium #47303). Only our pins go: the
-// links' folder and the map; the root stays.
+// links' folder and the maps; the root stays.
 func removeStalePins(ctx context.Context, log *slog.Logger, root string) error {
 	if _, err := os.Stat(filepath.Join(root, bpf.MapName)); errors.Is(err, os.ErrNotExist) {
 		if _, err := os.Stat(filepath.Join(root, "links")); errors.Is(err, os.ErrNotExist) {
@@ -93,10 +93,12 @@ func removeStalePins(ctx context.Context, log *slog.Logger, root string) error {
 		log.Info("Removing a program left by the l2 mode", "pin", pin)
 		errs = append(errs, bpf.Detach(pin))
 	}
-	if err := os.Remove(filepath.Join(root, bpf.MapName)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, err)
-	} else if err == nil {
-		log.Info("Removed the redirect map left by the l2 mode", "pin", filepath.Join(root, bpf.MapName))
+	for _, pin := range bpf.MapPins(root) {
+		if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		} else if err == nil {
+			log.Info("Removed a map left by the l2 mode", "pin", pin)
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -3,6 +3,7 @@
 package redirect_test
 
 import (
+	"fmt"
 	"context"
 	"errors"
 	"net/netip"
@@ -65,9 +66,14 @@ func TestOtherModeContributesNothing(t *testing.T) {
 
 	deadline := time.Now().Add(waitTimeout)
 	for {
-		_, mapErr := os.Stat(filepath.Join(root, bpf.MapName))
+		var mapErr error
+		for _, pin := range bpf.MapPins(root) {
+			if _, err := os.Stat(pin); !errors.Is(err, os.ErrNotExist) {
+				mapErr = fmt.Errorf("%s: %v", pin, err)
+			}
+		}
 		links, _ := os.ReadDir(filepath.Join(root, "links"))
-		if errors.Is(mapErr, os.ErrNotExist) && len(links) == 0 {
+		if mapErr == nil && len(links) == 0 {
 			break
 		}
 		if time.Now().After(deadline) {
