@@ -3,9 +3,9 @@
 package redirect_test
 
 import (
-	"fmt"
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
