@@ -70,14 +70,9 @@ func TestAgentConnections(t *testing.T) {
 
 // connectTransparent opens a socket bound to local, which is not an
 // address of this namespace (IP_TRANSPARENT, as an agent connecting in a
-// pod's name), and starts connecting to remote without waiting.
-func connectTransparent(t testing.TB, local, remote netip.AddrPort) error {
-	_, err := connectTransparentFD(t, local, remote)
-	return err
-}
-
-// connectTransparentFD is connectTransparent, returning the socket.
-func connectTransparentFD(t testing.TB, local, remote netip.AddrPort) (int, error) {
+// pod's name), and starts connecting to remote without waiting. It
+// returns the socket, closed at the end of the test.
+func connectTransparent(t testing.TB, local, remote netip.AddrPort) (int, error) {
 	family, level, opt := unix.AF_INET, unix.SOL_IP, unix.IP_TRANSPARENT
 	if local.Addr().Is6() {
 		family, level, opt = unix.AF_INET6, unix.SOL_IPV6, unix.IPV6_TRANSPARENT
@@ -121,7 +116,7 @@ func TestAgentSocketGone(t *testing.T) {
 	// The agent accepts it transparently: its end is the destination.
 	var fd int
 	must(t, agent.Do(func() (err error) {
-		fd, err = connectTransparentFD(t, netip.AddrPortFrom(remote, 9444), netip.AddrPortFrom(podA, 42000))
+		fd, err = connectTransparent(t, netip.AddrPortFrom(remote, 9444), netip.AddrPortFrom(podA, 42000))
 		return err
 	}))
 	conn.tcpFlags = flagACK
@@ -174,7 +169,7 @@ func agentNamespaces(t testing.TB) (node, agent *netnstest.NS, withNetns bpf.Ent
 			// As accepted from pod A: the agent's end is the destination.
 			{netip.AddrPortFrom(remote, 9443), netip.AddrPortFrom(podA, 41000)},
 		} {
-			if err := connectTransparent(t, c.local, c.remote); err != nil {
+			if _, err := connectTransparent(t, c.local, c.remote); err != nil {
 				return err
 			}
 		}
