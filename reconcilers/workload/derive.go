@@ -156,7 +156,7 @@ func New(clusterID, trustDomain string, pod *tables.Pod, hbone bool) (*Workload,
 	}
 	// Defaults are left out: ztunnel (and the proxy) read an empty trust
 	// domain as cluster.local, service account as default and cluster id as
-	// Kubernetes. They are up to 33 bytes of every Workload the agent holds
+	// Kubernetes. They are up to 36 bytes of every Workload the agent holds
 	// for every enrolled pod of the cluster.
 	if trustDomain != spiffe.DefaultTrustDomain {
 		w.TrustDomain = trustDomain
