@@ -338,8 +338,14 @@ int from_pod(struct __sk_buff *skb)
 	// dropped if an agent held it once; else straight on (replies to
 	// plaintext clients of the pod, and connections older than the
 	// redirect).
-	if (to && agent_owns(skb, &f, to))
+	if (to && agent_owns(skb, &f, to)) {
+		// Written once, at the SYN, the entry would be the first LRU
+		// evicts from a long-lived connection: the lookup marks it used,
+		// and an entry evicted all the same comes back.
+		if (!bpf_map_lookup_elem(&proxied_map, &conn))
+			bpf_map_update_elem(&proxied_map, &conn, &one, BPF_ANY);
 		return steer(skb, to);
+	}
 	if (bpf_map_lookup_elem(&proxied_map, &conn))
 		return TC_ACT_SHOT;
 	return TC_ACT_UNSPEC;

@@ -44,7 +44,8 @@ func TestAgentConnections(t *testing.T) {
 		{"node ingress: to a port the agent listens on", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 41000, dport: 9090}.frame(), uplink, withNetns, actNext},
 		{"from pod: later packet of a connection the agent accepted", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, withNetns, actRedirect},
 		{"from pod: a connection the agent does not hold", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41001, dport: 9443}.frame(), podAIf, withNetns, actNext},
-		{"from pod: agent namespace unknown", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, agentNode, actNext},
+		// Known as proxied by the case above: not the agent's, so dropped.
+		{"from pod: agent namespace unknown", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, agentNode, actShot},
 		{"node ingress: agent namespace unknown", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40000}.frame(), uplink, agentNode, actNext},
 	}
 	for _, c := range cases {
@@ -119,6 +120,10 @@ func TestAgentSocketGone(t *testing.T) {
 		fd, err = connectTransparent(t, netip.AddrPortFrom(remote, 9444), netip.AddrPortFrom(podA, 42000))
 		return err
 	}))
+	// LRU evicts the connection's entry, written at the SYN, while the
+	// agent holds the connection: the next packet the agent holds puts it
+	// back, or the agent's death below would let the pod's packets pass.
+	evictAll(t, objs.ProxiedConnections())
 	conn.tcpFlags = flagACK
 	if got := verdict(conn); got != actRedirect {
 		t.Fatalf("a later packet, the agent's socket open: verdict %d, want the agent", int32(got))
@@ -126,6 +131,22 @@ func TestAgentSocketGone(t *testing.T) {
 	must(t, unix.Close(fd))
 	if got := verdict(conn); got != actShot {
 		t.Fatalf("a later packet, the agent's socket gone: verdict %d, want dropped", int32(got))
+	}
+}
+
+// evictAll deletes every entry of m.
+func evictAll(t *testing.T, m *ebpf.Map) {
+	t.Helper()
+	var key []byte
+	var keys [][]byte
+	for it := m.Iterate(); it.Next(&key, new([]byte)); {
+		keys = append(keys, append([]byte(nil), key...))
+	}
+	for _, k := range keys {
+		must(t, m.Delete(k))
+	}
+	if len(keys) == 0 {
+		t.Fatal("no proxied connection to evict: the SYN was not recorded")
 	}
 }
 
