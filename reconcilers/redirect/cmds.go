@@ -33,12 +33,11 @@ func scriptCommands(dp Datapath) hive.ScriptCmdsOut {
 		"redirect/attached": script.Command(
 			script.CmdUsage{Summary: "List the devices that have a program pinned by this agent"},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				devices, err := dp.Attached()
+				attached, err := dp.Attached()
 				if err != nil {
 					return nil, err
 				}
-				slices.Sort(devices)
-				out := strings.Join(devices, "\n")
+				out := strings.Join(slices.Sorted(maps.Keys(attached)), "\n")
 				if out != "" {
 					out += "\n"
 				}

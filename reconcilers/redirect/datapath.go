@@ -33,8 +33,10 @@ type Datapath interface {
 	// Detach removes what Attach put on the device; nothing there is not
 	// an error.
 	Detach(device string) error
-	// Attached lists the devices that have a program attached by us.
-	Attached() ([]string, error)
+	// Attached returns the devices that have a program attached by us,
+	// with the index of each as its link knows it (0 when the device is
+	// gone or the link cannot be read).
+	Attached() (map[string]int, error)
 }
 
 // bpfDatapath keeps the map and the links pinned under --bpf-root, so that
@@ -160,7 +162,7 @@ func (dp *bpfDatapath) Detach(device string) error {
 	return bpf.Detach(dp.pin(device))
 }
 
-func (dp *bpfDatapath) Attached() ([]string, error) {
+func (dp *bpfDatapath) Attached() (map[string]int, error) {
 	if err := dp.Err(); err != nil {
 		return nil, err
 	}
@@ -168,9 +170,10 @@ func (dp *bpfDatapath) Attached() ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	var devices []string
+	devices := map[string]int{}
 	for _, e := range entries {
-		devices = append(devices, unpinName(e.Name()))
+		li, _ := bpf.PinnedLink(filepath.Join(dp.linksDir, e.Name()))
+		devices[unpinName(e.Name())] = li.Ifindex
 	}
 	return devices, nil
 }

@@ -7,7 +7,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"iter"
 	"log/slog"
 	"maps"
 	"net/netip"
@@ -56,6 +55,9 @@ type derivation struct {
 	// disabled: --enable-redirect=false. The rows still say what would be
 	// steered; their status says that nothing is applied.
 	disabled bool
+	// inherited: the from-pod links a previous agent left, by the
+	// addresses they steer, until a scan succeeds (see inheritedAttachments).
+	inherited map[netip.Addr]*Attachment
 }
 
 // Pacing of the derivation: changes that come together (a pod's veth and
@@ -95,6 +97,9 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		return nil
 	}
 
+	if !d.disabled {
+		d.inherited = inheritedAttachments(d.Datapath)
+	}
 	retry := minRetry
 	start := time.Now()
 	var nextPass time.Time
@@ -113,6 +118,9 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		// this for initScanGrace at most.
 		complete := scanErr == nil || time.Since(start) > initScanGrace
 		watches, problems := d.pass(scan, scanErr, complete)
+		if scanErr == nil {
+			d.inherited = nil // the tables hold every pod's interface now
+		}
 		nextPass = time.Now().Add((passDuty - 1) * time.Since(passStart))
 		switch {
 		case d.disabled:
@@ -124,10 +132,14 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 			health.Degraded("rows with problems",
 				errors.Join(fmt.Errorf("%d rows of redirects and attachments with problems", problems), scanErr))
 		}
-		var retryC <-chan time.Time
+		var retryC, graceC <-chan time.Time
 		if problems > 0 || scanErr != nil {
 			retryC = time.After(retry)
 			retry = min(2*retry, maxRetry)
+		}
+		if d.initDone != nil {
+			// Readiness waits for the initialization, not for the backoff.
+			graceC = time.After(time.Until(start.Add(initScanGrace)) + time.Millisecond)
 		}
 		wait := settle
 		select {
@@ -142,6 +154,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 			wait = 0
 		case <-changed:
 		case <-retryC:
+		case <-graceC:
 		}
 		select {
 		case <-ctx.Done():
@@ -172,8 +185,19 @@ func (d *derivation) pass(scan Scan, scanErr error, initialize bool) ([4]<-chan 
 	for pod := range pods {
 		local = append(local, tables.WithPodAddrs(wtxn, d.CNIPods, pod))
 	}
-	attached := func(pod string) iter.Seq2[*Attachment, statedb.Revision] {
-		return d.Attachments.List(wtxn, AttachmentsByPod(pod))
+	attached := func(pod *tables.Pod) []*Attachment {
+		rows := statedb.Collect(d.Attachments.List(wtxn, AttachmentsByPod(pod.Key())))
+		if len(rows) > 0 {
+			return rows
+		}
+		for _, ip := range pod.IPs {
+			if a, ok := d.inherited[ip]; ok {
+				a = a.clone()
+				a.Pod = pod.Key()
+				return []*Attachment{a}
+			}
+		}
+		return nil
 	}
 	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj, attached)
 	status := reconciler.StatusPending()
@@ -233,7 +257,7 @@ type desiredRows struct {
 // unsteer a running pod.
 func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 	enrolled map[string]*enrollment.Enrollment, node *tables.Node,
-	attached func(pod string) iter.Seq2[*Attachment, statedb.Revision]) desiredRows {
+	attached func(pod *tables.Pod) []*Attachment) desiredRows {
 	out := desiredRows{redirects: map[netip.Addr]*Redirect{}, attachments: map[string]*Attachment{}}
 	add := func(r *Redirect) {
 		if old, ok := out.redirects[r.Addr]; ok && !preferred(r, old) {
@@ -260,7 +284,7 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 		problem := ""
 		if !found {
 			problem = noInterface(pod, scanErr)
-			for a := range attached(pod.Key()) {
+			for _, a := range attached(pod) {
 				out.attachments[a.Device] = a
 			}
 		} else {
@@ -341,4 +365,35 @@ func noInterface(pod *tables.Pod, scanErr error) string {
 		msg += " (scan: " + scanErr.Error() + ")"
 	}
 	return msg
+}
+
+// inheritedAttachments reads the from-pod links a previous agent left and
+// keys them by the enrolled addresses whose map entries name the link's
+// interface. A restarted agent whose interface scans keep failing (pods
+// churning) has no rows of its own for them; without these, the pruning
+// that follows initialization would detach every pod's program and let
+// enrolled pods send in clear until a scan succeeds.
+func inheritedAttachments(dp Datapath) map[netip.Addr]*Attachment {
+	entries, err := dp.Entries()
+	if err != nil {
+		return nil
+	}
+	links, err := dp.Attached()
+	if err != nil {
+		return nil
+	}
+	deviceOf := map[int]string{}
+	for device, ifindex := range links {
+		if ifindex != 0 {
+			deviceOf[ifindex] = device
+		}
+	}
+	out := map[netip.Addr]*Attachment{}
+	for addr, e := range entries {
+		if device, ok := deviceOf[int(e.Ifindex)]; ok && e.Kind == bpf.KindEnrolled {
+			out[addr] = &Attachment{Device: device, Ifindex: int(e.Ifindex), Hook: bpf.HookFromPod,
+				Problem: fmt.Sprintf("%v: kept as the previous agent attached it", ErrNoInterface)}
+		}
+	}
+	return out
 }

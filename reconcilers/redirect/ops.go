@@ -95,7 +95,7 @@ func (o *AttachOps) Prune(_ context.Context, _ statedb.ReadTxn, rows iter.Seq2[*
 		want[a.Device] = true
 	}
 	var errs []error
-	for _, device := range attached {
+	for device := range attached {
 		if !want[device] {
 			o.log.Info("Pruning stale attachment", "device", device)
 			errs = append(errs, o.dp.Detach(device))

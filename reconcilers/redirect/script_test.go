@@ -8,7 +8,6 @@ import (
 	"maps"
 	"net"
 	"net/netip"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -135,10 +134,14 @@ func (k *fakeKernel) Detach(device string) error {
 	return k.broken
 }
 
-func (k *fakeKernel) Attached() ([]string, error) {
+func (k *fakeKernel) Attached() (map[string]int, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	return slices.Collect(maps.Keys(k.attached)), k.broken
+	attached := map[string]int{}
+	for device := range k.attached {
+		attached[device] = k.devices[device]
+	}
+	return attached, k.broken
 }
 
 func (k *fakeKernel) Scan() (redirect.Scan, error) {
@@ -223,9 +226,9 @@ func (k *fakeKernel) commands() map[string]script.Cmd {
 				return nil, nil
 			}),
 		"kernel/put": script.Command(
-			script.CmdUsage{Summary: "write a map entry of KIND (local or enrolled) directly, as a previous agent left it", Args: "addr kind"},
+			script.CmdUsage{Summary: "write a map entry of KIND (local or enrolled) directly, as a previous agent left it, with the pod's interface INDEX", Args: "addr kind [index]"},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				if len(args) != 2 {
+				if len(args) != 2 && len(args) != 3 {
 					return nil, script.ErrUsage
 				}
 				addr, err := netip.ParseAddr(args[0])
@@ -236,7 +239,15 @@ func (k *fakeKernel) commands() map[string]script.Cmd {
 				if kind == 0 {
 					return nil, fmt.Errorf("kind %q: want local or enrolled", args[1])
 				}
-				k.change(func() { k.entries[addr] = bpf.Entry{Kind: kind, NetnsID: bpf.NoNetns} })
+				e := bpf.Entry{Kind: kind, NetnsID: bpf.NoNetns}
+				if len(args) == 3 {
+					index, err := strconv.Atoi(args[2])
+					if err != nil {
+						return nil, err
+					}
+					e.Ifindex = uint32(index)
+				}
+				k.change(func() { k.entries[addr] = e })
 				return nil, nil
 			}),
 		"kernel/attach": script.Command(
