@@ -3,6 +3,7 @@
 package tables
 
 import (
+	"slices"
 	"strconv"
 	"strings"
 
@@ -39,9 +40,11 @@ type Policy struct {
 	Selectors []EndpointSelector `json:"selectors,omitempty"`
 
 	// Error is why the policy's current version could not be understood.
-	// A policy that was never valid enrolls nothing, as Cilium rejects it.
+	// A policy that was never valid enrolls nothing, as Cilium rejects it,
+	// except for a bad AuthenticationModeAnnotation: Cilium ignores it, and
+	// the rules that require authentication themselves still enroll.
 	Error string `json:"error,omitempty"`
-	// LastValid is set when Error is, and Selectors are those of the
+	// LastValid is set when Error is, and Selectors also hold those of the
 	// policy's last valid version: an edit that breaks a policy must not
 	// silently unenroll the pods it protects (fail closed).
 	LastValid bool `json:"lastValid,omitempty"`
@@ -52,13 +55,18 @@ type Policy struct {
 }
 
 // KeepLastValid returns the new version of a policy, holding on to the
-// selectors of old when new is invalid and old had some.
+// selectors of old, besides its own, when new is invalid and old had some.
 func KeepLastValid(old, new *Policy) *Policy {
 	if new.Error == "" || old == nil || len(old.Selectors) == 0 {
 		return new
 	}
 	c := *new
-	c.Selectors, c.LastValid = old.Selectors, true
+	c.Selectors, c.LastValid = slices.Clone(old.Selectors), true
+	for _, s := range new.Selectors {
+		if !slices.ContainsFunc(c.Selectors, func(o EndpointSelector) bool { return o.Text == s.Text }) {
+			c.Selectors = append(c.Selectors, s)
+		}
+	}
 	return &c
 }
 
@@ -82,13 +90,14 @@ func PolicyKey(kind PolicyKind, namespace, name string) string {
 // RequiresAuthentication reports whether the policy enrolls the pods it selects.
 func (p *Policy) RequiresAuthentication() bool { return len(p.Selectors) > 0 }
 
-// Selects reports whether one of the authenticating rules selects the pod.
-// A CiliumNetworkPolicy only selects pods in its own namespace.
-func (p *Policy) Selects(pod *Pod, ns *Namespace) bool {
+// Selects reports whether one of the authenticating rules selects the pod,
+// of namespace ns, in the Cilium cluster named cluster. A
+// CiliumNetworkPolicy only selects pods in its own namespace.
+func (p *Policy) Selects(pod *Pod, ns *Namespace, cluster string) bool {
 	if !p.RequiresAuthentication() || (p.Kind == KindCNP && pod.Namespace != p.Namespace) {
 		return false
 	}
-	view := podLabelView{pod: pod, ns: ns}
+	view := podLabelView{pod: pod, ns: ns, cluster: cluster}
 	for _, s := range p.Selectors {
 		if s.selector.Matches(view) {
 			return true
@@ -159,17 +168,23 @@ func (s EndpointSelector) Namespace() (string, bool) {
 // MatchAll is the anchor of selectors that do not require a specific label.
 const MatchAll = "*"
 
-// podLabelView presents a pod to a label selector the way Cilium does: its
-// own labels plus the pseudo labels for namespace, service account and
-// namespace labels.
+// podLabelView presents a pod to a label selector the way Cilium labels
+// its endpoints: its own labels plus the pseudo labels for namespace,
+// service account, cluster and namespace labels. The pod's own labels under
+// Cilium's prefix do not count: Cilium drops them, so that no pod owner
+// can claim another service account or namespace.
 type podLabelView struct {
-	pod *Pod
-	ns  *Namespace
+	pod     *Pod
+	ns      *Namespace
+	cluster string
 }
 
+// Cilium's pseudo labels (pkg/k8s/apis/cilium.io), besides NamespaceLabel.
 const (
-	serviceAccountLabel   = "io.kubernetes.pod.serviceaccount"
-	namespaceLabelsPrefix = "io.cilium.k8s.namespace.labels."
+	ciliumLabelPrefix     = "io.cilium.k8s."
+	serviceAccountLabel   = ciliumLabelPrefix + "policy.serviceaccount"
+	clusterLabel          = ciliumLabelPrefix + "policy.cluster"
+	namespaceLabelsPrefix = ciliumLabelPrefix + "namespace.labels."
 )
 
 func (v podLabelView) Lookup(key string) (string, bool) {
@@ -178,11 +193,15 @@ func (v podLabelView) Lookup(key string) (string, bool) {
 		return v.pod.Namespace, true
 	case key == serviceAccountLabel:
 		return v.pod.ServiceAccountOrDefault(), true
+	case key == clusterLabel:
+		return v.cluster, true
 	case strings.HasPrefix(key, namespaceLabelsPrefix):
 		if v.ns == nil {
 			return "", false
 		}
 		return v.ns.Labels.Lookup(strings.TrimPrefix(key, namespaceLabelsPrefix))
+	case strings.HasPrefix(key, ciliumLabelPrefix):
+		return "", false
 	}
 	return v.pod.Labels.Lookup(key)
 }

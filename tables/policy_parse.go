@@ -42,7 +42,6 @@ func ParsePolicy(kind PolicyKind, namespace, name string, content map[string]any
 	sels, err := parsePolicy(content)
 	if err != nil {
 		p.Error = err.Error()
-		return p
 	}
 	p.Selectors = sels
 	return p
@@ -51,14 +50,19 @@ func ParsePolicy(kind PolicyKind, namespace, name string, content map[string]any
 // errMalformed prefixes the errors of a policy whose shape is not Cilium's.
 var errMalformed = errors.New("malformed policy")
 
+// parsePolicy returns the selectors of the rules that require
+// authentication. An error about the annotation comes with the selectors
+// of the rules that require it themselves: Cilium enforces those whatever
+// our annotation says. Any other error comes alone.
 func parsePolicy(content map[string]any) ([]EndpointSelector, error) {
 	allRequired := false
+	var annotationErr error
 	switch mode, set, _ := unstructured.NestedString(content, "metadata", "annotations", AuthenticationModeAnnotation); {
 	case !set, mode == authModeDisabled:
 	case mode == authModeRequired:
 		allRequired = true
 	default:
-		return nil, fmt.Errorf("metadata.annotations[%s]: unknown mode %q (want %s or %s)",
+		annotationErr = fmt.Errorf("metadata.annotations[%s]: unknown mode %q (want %s or %s)",
 			AuthenticationModeAnnotation, mode, authModeRequired, authModeDisabled)
 	}
 
@@ -121,7 +125,7 @@ func parsePolicy(content map[string]any) ([]EndpointSelector, error) {
 			sels = append(sels, sel)
 		}
 	}
-	return sels, nil
+	return sels, annotationErr
 }
 
 // labelSelector decodes a selector field; nil when it is absent.
@@ -221,7 +225,12 @@ func parseEndpointSelector(ls *metav1.LabelSelector) (EndpointSelector, error) {
 		return rest
 	}
 	for k, v := range ls.MatchLabels {
-		stripped.MatchLabels[strip(k)] = v
+		key := strip(k)
+		if old, dup := stripped.MatchLabels[key]; dup && old != v {
+			// "k8s:app: a" and "app: b" ask one label for two values.
+			selectsPods = false
+		}
+		stripped.MatchLabels[key] = v
 	}
 	for _, e := range ls.MatchExpressions {
 		e.Key = strip(e.Key)
@@ -239,8 +248,8 @@ func parseEndpointSelector(ls *metav1.LabelSelector) (EndpointSelector, error) {
 
 // selectorAnchor picks one label every selected pod must carry, preferring
 // the namespace pseudo label (usually the narrowest) over a pod label. The
-// other pseudo labels (service account, namespace labels) never anchor:
-// pods are looked up by their real labels and namespace.
+// other pseudo labels (service account, cluster, namespace labels) never
+// anchor: pods are looked up by their real labels and namespace.
 func selectorAnchor(sel labels.Selector) string {
 	reqs, _ := sel.Requirements()
 	anchor := ""
@@ -256,8 +265,8 @@ func selectorAnchor(sel labels.Selector) string {
 			continue
 		}
 		key := r.Key()
-		if key == serviceAccountLabel || strings.HasPrefix(key, namespaceLabelsPrefix) {
-			continue
+		if strings.HasPrefix(key, ciliumLabelPrefix) {
+			continue // a pseudo label, or one no pod carries
 		}
 		if key == NamespaceLabel {
 			return LabelKey(key, value)

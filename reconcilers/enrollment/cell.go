@@ -39,12 +39,17 @@ type Config struct {
 	// is its node's mTLS agent (flag --mtls-agent-namespaces). Any pod
 	// owner can set the label: elsewhere it makes no agent.
 	MTLSAgentNamespaces []string
+	// ClusterName is Cilium's name of this cluster, the value of the
+	// io.cilium.k8s.policy.cluster pseudo label policies select on (flag
+	// --cluster-name, as Cilium's).
+	ClusterName string
 }
 
 var defaultConfig = Config{
 	TrustDomain:         spiffe.DefaultTrustDomain,
 	ExcludedNamespaces:  []string{"kube-system"},
 	MTLSAgentNamespaces: []string{"kube-system"},
+	ClusterName:         "default",
 }
 
 // Flags implements cell.Flagger.
@@ -53,6 +58,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.StringSlice("excluded-namespaces", def.ExcludedNamespaces, "Namespaces whose pods are never enrolled")
 	flags.StringSlice("mtls-agent-namespaces", def.MTLSAgentNamespaces,
 		"Namespaces where a pod labelled cilium.io/redir-type=proxy is its node's mTLS agent (the label is ignored elsewhere)")
+	flags.String("cluster-name", def.ClusterName, "Cilium's cluster name (its --cluster-name): policies select it as io.cilium.k8s.policy.cluster")
 }
 
 func (c Config) excluded(namespace string) bool {

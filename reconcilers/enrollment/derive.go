@@ -109,7 +109,7 @@ func (d *derivation) policyTouches(txn statedb.ReadTxn, c statedb.Change[*tables
 		return
 	}
 	visit := func(pod *tables.Pod) {
-		if _, seen := dirty[pod.Key()]; !seen && p.Selects(pod, namespaceOf(d, txn, pod)) {
+		if _, seen := dirty[pod.Key()]; !seen && p.Selects(pod, namespaceOf(d, txn, pod), d.Config.ClusterName) {
 			dirty[pod.Key()] = struct{}{}
 		}
 	}

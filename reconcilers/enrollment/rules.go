@@ -66,7 +66,7 @@ func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 		e.Reason = ReasonNoIP
 	default:
 		ns, _, _ := in.namespaces.Get(in.txn, tables.NamespaceByName(pod.Namespace))
-		if p := selectingPolicy(in, pod, ns); p != "" {
+		if p := selectingPolicy(in, pod, ns, cfg.ClusterName); p != "" {
 			// A workload owner's label never cancels a policy owner's
 			// requirement.
 			e.Enrolled, e.Reason, e.Policy = true, ReasonPolicyPrefix+p, p
@@ -93,12 +93,12 @@ func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 // selectingPolicy returns the smallest key of the policies that require
 // authentication and select the pod, or "". Candidates are the policies
 // anchored on the pod's namespace, on one of its labels, or on any pod.
-func selectingPolicy(in *inputs, pod *tables.Pod, ns *tables.Namespace) string {
+func selectingPolicy(in *inputs, pod *tables.Pod, ns *tables.Namespace, cluster string) string {
 	best := ""
 	consider := func(k, v string) {
 		in.key = append(append(append(in.key[:0], k...), '='), v...)
 		for _, p := range in.anchored(in.key) {
-			if key := p.Key(); (best == "" || key < best) && p.Selects(pod, ns) {
+			if key := p.Key(); (best == "" || key < best) && p.Selects(pod, ns, cluster) {
 				best = key
 			}
 		}
@@ -106,7 +106,7 @@ func selectingPolicy(in *inputs, pod *tables.Pod, ns *tables.Namespace) string {
 	consider(tables.NamespaceLabel, pod.Namespace)
 	in.key = append(in.key[:0], tables.MatchAll...)
 	for _, p := range in.anchored(in.key) {
-		if key := p.Key(); (best == "" || key < best) && p.Selects(pod, ns) {
+		if key := p.Key(); (best == "" || key < best) && p.Selects(pod, ns, cluster) {
 			best = key
 		}
 	}
