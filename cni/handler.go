@@ -167,6 +167,14 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, *stated
 		asReported.IPs = req.IPs
 	}
 	e := enrollment.Decide(h.Enrollment, txn, h.Namespaces, h.Policies, &asReported)
+	if !e.Enrolled && !e.Excluded() {
+		// Not selected might be by a namespace the agent has not seen
+		// yet (its informer behind the pods'): no final answer on that.
+		if _, _, nsWatch, found := h.Namespaces.GetWatch(txn, tables.NamespaceByName(pod.Namespace)); !found {
+			w.Add(nsWatch)
+			return plugin.Answer{Detail: fmt.Sprintf("namespace %q not known yet", pod.Namespace)}, w
+		}
+	}
 	ans := plugin.Answer{Known: true, Enrolled: e.Enrolled, Reason: e.Reason}
 	if !e.Enrolled {
 		ans.Redirect = plugin.RedirectNotNeeded

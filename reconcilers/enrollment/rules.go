@@ -3,6 +3,8 @@
 package enrollment
 
 import (
+	"strings"
+
 	"github.com/cilium/statedb"
 
 	"github.com/mtlsbridge/mtlsbridge/spiffe"
@@ -11,17 +13,23 @@ import (
 
 // Reasons shown in the enrollments table, by precedence.
 const (
-	ReasonHostNetwork       = "excluded:host-network"
-	ReasonFinished          = "excluded:finished"
-	ReasonNoIP              = "excluded:no-ip"
-	ReasonMTLSAgent         = "excluded:mtls-agent"
-	ReasonExcludedNamespace = "excluded:namespace"
+	ReasonHostNetwork       = reasonExcludedPrefix + "host-network"
+	ReasonFinished          = reasonExcludedPrefix + "finished"
+	ReasonNoIP              = reasonExcludedPrefix + "no-ip"
+	ReasonMTLSAgent         = reasonExcludedPrefix + "mtls-agent"
+	ReasonExcludedNamespace = reasonExcludedPrefix + "namespace"
 	ReasonOptOut            = "opt-out-label"
 	ReasonWorkloadLabel     = "label:" + tables.RedirTypeLabel + "=" + tables.RedirTypeWorkload
 	ReasonPolicyPrefix      = "policy:"
 	ReasonNamespaceLabel    = "namespace-label"
 	ReasonNotSelected       = "not-selected"
 )
+
+const reasonExcludedPrefix = "excluded:"
+
+// Excluded reports whether a rule that never enrolls decided: namespaces
+// and policies did not count.
+func (e *Enrollment) Excluded() bool { return strings.HasPrefix(e.Reason, reasonExcludedPrefix) }
 
 // inputs are the rows a decision reads, all from one snapshot.
 type inputs struct {
