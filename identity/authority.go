@@ -203,30 +203,95 @@ func writeNewRoot(dir, trustDomain string) error {
 	if err != nil {
 		return err
 	}
-	// Key first: a folder with a certificate but no key is never valid.
-	if err := atomicfile.Write(filepath.Join(dir, CAKeyFile), keyPEM, 0o600); err != nil {
-		return err
-	}
-	return atomicfile.Write(filepath.Join(dir, CACertFile), certPEM, 0o644)
+	return writeRoot(dir, CACertFile, CAKeyFile, certPEM, keyPEM)
 }
 
-// RotateDir starts a root rotation in a CA folder: the current root joins
-// the trusted roots, a new root signs from now on. Certificates of both
-// roots verify against the bundle until RetireDir.
-func RotateDir(dir, trustDomain string) error {
-	old, err := LoadDir(dir, trustDomain, false)
-	if err != nil {
+// writeRoot writes a root and its key. Key first: a folder with a
+// certificate but no key is never valid.
+func writeRoot(dir, certFile, keyFile string, certPEM, keyPEM []byte) error {
+	if err := atomicfile.Write(filepath.Join(dir, keyFile), keyPEM, 0o600); err != nil {
 		return err
 	}
-	trusted := append([]*x509.Certificate{old.Root}, old.Trusted...)
+	return atomicfile.Write(filepath.Join(dir, certFile), certPEM, 0o644)
+}
+
+// The next root of a rotation in a CA folder, between its two steps.
+const (
+	NextCACertFile = "next-ca-cert.pem"
+	NextCAKeyFile  = "next-ca-key.pem"
+)
+
+// RotationStep is what RotateDir did.
+type RotationStep int
+
+const (
+	// RootTrusted: a new root is trusted (it is in the bundle); the
+	// current root still signs.
+	RootTrusted RotationStep = iota + 1
+	// RootSigning: the root trusted in the first step signs; the one
+	// before it stays trusted until RetireDir.
+	RootSigning
+)
+
+// RotateDir advances a root rotation in a CA folder by one step. A new
+// root is trusted before it signs, so that no peer is shown a certificate
+// it cannot verify yet:
+//  1. without a next root, a new one is written as the next root
+//     (NextCACertFile) and joins the trusted roots;
+//  2. with one, it becomes the signing root, and the current root joins
+//     the trusted roots.
+//
+// Between the steps, every mTLS agent must pick up the bundle. Certificates
+// of both roots verify against it until RetireDir. A step that was
+// interrupted is completed by running RotateDir again.
+func RotateDir(dir, trustDomain string) (RotationStep, error) {
+	current, err := LoadDir(dir, trustDomain, false)
+	if err != nil {
+		return 0, err
+	}
+	nextCert, nextKey := filepath.Join(dir, NextCACertFile), filepath.Join(dir, NextCAKeyFile)
+	certPEM, err := os.ReadFile(nextCert)
+	if errors.Is(err, os.ErrNotExist) {
+		if certPEM, keyPEM, err := NewRootMaterial(trustDomain, rootValidity); err != nil {
+			return 0, err
+		} else if err := writeRoot(dir, NextCACertFile, NextCAKeyFile, certPEM, keyPEM); err != nil {
+			return 0, err
+		}
+		certPEM, err = os.ReadFile(nextCert)
+	}
+	if err != nil {
+		return 0, err
+	}
+	keyPEM, err := os.ReadFile(nextKey)
+	if err != nil {
+		return 0, err
+	}
+	next, err := ParseMaterial(certPEM, keyPEM, nil)
+	if err != nil {
+		return 0, fmt.Errorf("next root: %w", err)
+	}
+	if !slices.ContainsFunc(current.Trusted, next.Root.Equal) {
+		return RootTrusted, writeTrusted(dir, append(current.Trusted, next.Root))
+	}
+	// Trusted first: until the next root signs, the current one must be.
+	others := slices.DeleteFunc(slices.Clone(current.Trusted), func(c *x509.Certificate) bool {
+		return c.Equal(next.Root) || c.Equal(current.Root)
+	})
+	if err := writeTrusted(dir, append([]*x509.Certificate{current.Root}, others...)); err != nil {
+		return 0, err
+	}
+	if err := writeRoot(dir, CACertFile, CAKeyFile, certPEM, keyPEM); err != nil {
+		return 0, err
+	}
+	return RootSigning, errors.Join(os.Remove(nextCert), os.Remove(nextKey))
+}
+
+func writeTrusted(dir string, roots []*x509.Certificate) error {
 	var b bytes.Buffer
-	for _, c := range trusted {
+	for _, c := range roots {
 		pem.Encode(&b, &pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})
 	}
-	if err := atomicfile.Write(filepath.Join(dir, TrustedRootsFile), b.Bytes(), 0o644); err != nil {
-		return err
-	}
-	return writeNewRoot(dir, trustDomain)
+	return atomicfile.Write(filepath.Join(dir, TrustedRootsFile), b.Bytes(), 0o644)
 }
 
 // RetireDir ends a rotation: only the signing root stays trusted. Run it once
@@ -234,12 +299,19 @@ func RotateDir(dir, trustDomain string) error {
 //
 // Possible errors: ErrNothingToRetire when no older root is trusted.
 func RetireDir(dir string) error {
+	if _, err := os.Stat(filepath.Join(dir, NextCACertFile)); err == nil {
+		return fmt.Errorf("%w: %s holds a next root that is not signing yet", ErrRotationHalfway, dir)
+	}
 	err := os.Remove(filepath.Join(dir, TrustedRootsFile))
 	if errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("%w: %s has no %s", ErrNothingToRetire, dir, TrustedRootsFile)
 	}
 	return err
 }
+
+// ErrRotationHalfway: RetireDir would untrust a root about to sign; the
+// rotation's second step comes first.
+var ErrRotationHalfway = errors.New("rotation half-way: run rotate again first")
 
 // ErrNothingToRetire: RetireDir found no rotation in progress.
 var ErrNothingToRetire = errors.New("nothing to retire: no older root is trusted")

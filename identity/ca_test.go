@@ -12,6 +12,7 @@ import (
 	"crypto/rsa"
 	"crypto/x509"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"net/url"
 	"os"
@@ -328,15 +329,30 @@ func TestCARotation(t *testing.T) {
 	oldLeaf := issue()
 	oldBundle := ta.rootPEM(t)
 
-	if err := identity.RotateDir(dir, "cluster.local"); err != nil {
-		t.Fatal(err)
+	rotate := func(want identity.RotationStep) {
+		t.Helper()
+		if step, err := identity.RotateDir(dir, "cluster.local"); err != nil || step != want {
+			t.Fatalf("RotateDir: step %d, %v; want step %d", step, err, want)
+		}
 	}
-	// The agent picks the rotation up by itself; the bundle grows to two roots.
+	// Step 1: the agent picks the new root up by itself; the bundle grows
+	// to two roots, and the old root still signs, so that a peer holding
+	// only the old bundle still verifies what the agent issues.
+	rotate(identity.RootTrusted)
 	waitFor(t, func() bool { return bytes.Count(ta.rootPEM(t), []byte("BEGIN CERTIFICATE")) == 2 })
-	newLeaf := issue()
 	overlap := ta.rootPEM(t)
-	if err := verify(newLeaf, oldBundle); err == nil {
-		t.Fatal("the new leaf verifies against the old root alone: no new root")
+	if err := verify(issue(), oldBundle); err != nil {
+		t.Fatalf("a leaf issued once the new root is trusted does not verify against the old bundle: %v", err)
+	}
+	if err := identity.RetireDir(dir); !errors.Is(err, identity.ErrRotationHalfway) {
+		t.Fatalf("retiring half-way: %v, want %v", err, identity.ErrRotationHalfway)
+	}
+	// Step 2: the new root signs; the bundle is the same two roots.
+	rotate(identity.RootSigning)
+	var newLeaf *x509.Certificate
+	waitFor(t, func() bool { newLeaf = issue(); return verify(newLeaf, oldBundle) != nil })
+	if got := ta.rootPEM(t); bytes.Count(got, []byte("BEGIN CERTIFICATE")) != 2 {
+		t.Fatalf("bundle after step 2:\n%s\nwant the two roots", got)
 	}
 	for name, leaf := range map[string]*x509.Certificate{"old": oldLeaf, "new": newLeaf} {
 		if err := verify(leaf, overlap); err != nil {

@@ -32,16 +32,24 @@ func caCmd() *cobra.Command {
 	cmd.PersistentFlags().StringVar(&caDir, "ca-dir", "", "CA folder, when not STATE_DIR/ca")
 	rotate := &cobra.Command{
 		Use:   "rotate",
-		Short: "Start a rotation: a new root signs, the current one stays trusted",
+		Short: "Advance a rotation: first a new root is trusted, run again it signs",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := spiffe.ValidateTrustDomain(trustDomain); err != nil {
 				return fmt.Errorf("--trust-domain: %w", err)
 			}
-			if err := identity.RotateDir(dir(), trustDomain); err != nil {
+			step, err := identity.RotateDir(dir(), trustDomain)
+			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "New root in %s; the previous one stays trusted until `mtlsbridge ca retire`.\n", dir())
+			switch step {
+			case identity.RootTrusted:
+				fmt.Fprintf(cmd.OutOrStdout(), "New root in %s trusted; the current one still signs. "+
+					"Once every mTLS agent has the new bundle, run `mtlsbridge ca rotate` again.\n",
+					filepath.Join(dir(), identity.NextCACertFile))
+			case identity.RootSigning:
+				fmt.Fprintf(cmd.OutOrStdout(), "The new root signs in %s; the previous one stays trusted until `mtlsbridge ca retire`.\n", dir())
+			}
 			return nil
 		},
 	}
