@@ -443,3 +443,25 @@ type staticToken string
 func (s staticToken) GetPlatformCredential() (string, error) { return string(s), nil }
 func (staticToken) GetIdentityProvider() string              { return "" }
 func (staticToken) Stop()                                    {}
+
+// TestBundleWriteRetried: a trust bundle that cannot be written when the
+// material changes (here a folder in its place) is written at a later
+// reload, not only at the next change of the material.
+func TestBundleWriteRetried(t *testing.T) {
+	ta := startAgent(t, "--ca-reload-interval=50ms")
+	bundle := filepath.Join(ta.StateDir, "ca", identity.RootCertFile)
+	if err := errors.Join(os.Remove(bundle), os.Mkdir(bundle, 0o700)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := identity.RotateDir(filepath.Join(ta.StateDir, "ca"), "cluster.local"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // a few reloads fail to write
+	if err := os.Remove(bundle); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool {
+		b, err := os.ReadFile(bundle)
+		return err == nil && bytes.Count(b, []byte("BEGIN CERTIFICATE")) == 2
+	})
+}

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -163,6 +164,11 @@ type loaderParams struct {
 type loader struct {
 	loaderParams
 	read func(ctx context.Context) (*Material, error)
+	// mu serializes reloads (the start hook's and the timer's).
+	mu sync.Mutex
+	// bundleWritten: the trust bundle on disk is the loaded material's; a
+	// write that failed is tried again at the next reload.
+	bundleWritten bool
 }
 
 func registerLoader(p loaderParams) {
@@ -193,6 +199,8 @@ func registerLoader(p loaderParams) {
 // reload re-reads the material; a failure keeps the material loaded before
 // (a half-written rotation must not stop issuance).
 func (l *loader) reload(ctx context.Context, _ cell.Health) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	m, err := l.read(ctx)
 	old, oldErr := l.Authority.Material()
 	switch {
@@ -203,20 +211,25 @@ func (l *loader) reload(ctx context.Context, _ cell.Health) {
 		l.Log.Error("No CA material: certificate requests fail until it is available", "error", err)
 		l.Authority.Set(nil, err)
 		return
-	case equalMaterial(old, m):
+	case equalMaterial(old, m) && l.bundleWritten:
 		return
+	case !equalMaterial(old, m):
+		l.Authority.Set(m, nil)
+		l.bundleWritten = false
+		l.Log.Info("CA material loaded", "root", m.Root.Subject.CommonName, "trustedOtherRoots", len(m.Trusted),
+			"notAfter", m.Root.NotAfter)
 	}
-	l.Authority.Set(m, nil)
 	bundle := l.StateDir.Path("ca", RootCertFile)
 	err = os.MkdirAll(filepath.Dir(bundle), 0o700)
 	if err == nil {
 		err = atomicfile.Write(bundle, m.BundlePEM(), 0o644)
 	}
 	if err != nil {
-		l.Log.Error("Cannot write the trust bundle for the mTLS agent", "bundle", bundle, "error", err)
+		l.Log.Error("Cannot write the trust bundle for the mTLS agent; trying again at the next reload", "bundle", bundle, "error", err)
+		return
 	}
-	l.Log.Info("CA material loaded", "root", m.Root.Subject.CommonName, "trustedOlderRoots", len(m.Trusted),
-		"notAfter", m.Root.NotAfter, "bundle", bundle)
+	l.bundleWritten = true
+	l.Log.Info("Trust bundle written", "bundle", bundle, "roots", 1+len(m.Trusted))
 }
 
 func (l *loader) readSecret(ctx context.Context) (*Material, error) {
