@@ -53,6 +53,9 @@ type Config struct {
 	// XDSMaxNames bounds the resource names a stream may hold per type
 	// (subscriptions and initial_resource_versions).
 	XDSMaxNames int
+	// XDSMaxStreams bounds the xDS streams open at once, so that the
+	// names all streams hold are bounded too.
+	XDSMaxStreams int
 }
 
 var defaultConfig = Config{
@@ -60,6 +63,7 @@ var defaultConfig = Config{
 	XDSSendTimeout:             30 * time.Second,
 	XDSMaxResourcesPerResponse: 1000,
 	XDSMaxNames:                250_000,
+	XDSMaxStreams:              16,
 }
 
 // Flags implements cell.Flagger.
@@ -68,6 +72,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Duration("xds-send-timeout", def.XDSSendTimeout, "Close an xDS stream whose client takes no response for this long")
 	flags.Int("xds-max-resources-per-response", def.XDSMaxResourcesPerResponse, "Split pushes into responses of at most this many resources")
 	flags.Int("xds-max-names", def.XDSMaxNames, "Resource names an xDS stream may hold per type (subscriptions, initial versions); more closes the stream")
+	flags.Int("xds-max-streams", def.XDSMaxStreams, "xDS streams open at once (a node's mTLS agent holds one, two during its rolling update); more are refused")
 }
 
 func (c Config) validate() error {
@@ -80,6 +85,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("--xds-max-resources-per-response must be at least 1")
 	case c.XDSMaxNames < 1:
 		return fmt.Errorf("--xds-max-names must be at least 1")
+	case c.XDSMaxStreams < 1:
+		return fmt.Errorf("--xds-max-streams must be at least 1")
 	}
 	return nil
 }

@@ -58,6 +58,8 @@ type server struct {
 	serverParams
 	auth   authenticator
 	nextID atomic.Uint64
+	// open counts the streams held, against XDSMaxStreams.
+	open atomic.Int32
 	// buffers hold the buffers responses are written into, for the next
 	// ones once gRPC has taken their bytes: an initial snapshot of 100k
 	// workloads would otherwise allocate (and clear) its 24 MB anew.
@@ -98,6 +100,13 @@ func (s *server) delta(grpcStream deltaStream) error {
 	if err != nil {
 		return err
 	}
+	if n := s.open.Add(1); int(n) > s.Config.XDSMaxStreams {
+		s.open.Add(-1)
+		s.Metrics.Refused.WithLabelValues("too-many-streams").Inc()
+		s.Log.Warn("xDS stream refused: too many streams", "pod", caller.Key(), "max", s.Config.XDSMaxStreams)
+		return status.Errorf(codes.ResourceExhausted, "%d xDS streams open, the most --xds-max-streams allows", s.Config.XDSMaxStreams)
+	}
+	defer s.open.Add(-1)
 	// Nothing is answered from a table not yet derived from a full view
 	// (the agent just started): told a partial table, a client drops the
 	// workloads not derived yet, and ztunnel sends to a destination it

@@ -633,7 +633,7 @@ func TestStuckClientIsClosed(t *testing.T) {
 // serve are counted, their warnings rate-limited (10,000 garbage types
 // logged 10,000 lines). Other streams are served meanwhile.
 func TestStreamBounds(t *testing.T) {
-	a := agenttest.Start(t, manifestsFrom(t, "testdata/cluster.yaml"), nil, "--xds-max-names=1000")
+	a := agenttest.Start(t, manifestsFrom(t, "testdata/cluster.yaml"), nil, "--xds-max-names=1000", "--xds-max-streams=2")
 
 	greedy, err := connect(t, a, "tok-a")
 	if err != nil {
@@ -675,6 +675,46 @@ func TestStreamBounds(t *testing.T) {
 	}
 	if lines := strings.Count(a.Logs.String(), "xDS request for an unknown type ignored"); lines > 5 {
 		t.Errorf("%d warning lines for 10,000 garbage requests: not rate-limited", lines)
+	}
+
+	// Streams are bounded too (and with them the names all streams hold):
+	// noisy and a second stream are served, a third is refused, and a
+	// stream that ends makes room.
+	second, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	second.subscribe(xds.AddressType, nil, false)
+	second.recvType(xds.AddressType)
+	third, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	third.subscribe(xds.AddressType, nil, false)
+	select {
+	case err := <-third.errs:
+		if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "--xds-max-streams") {
+			t.Fatalf("third stream closed with %v, want ResourceExhausted naming the bound", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a stream beyond --xds-max-streams was not refused")
+	}
+	second.cancel()
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if time.Now().After(deadline) {
+			t.Fatal("no stream served after one of two ended")
+		}
+		fourth, err := connect(t, a, "tok-a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		fourth.subscribe(xds.AddressType, nil, false)
+		select {
+		case <-fourth.errs:
+			continue // the server has not seen second's end yet
+		case <-fourth.resps:
+		}
+		break
 	}
 }
 
