@@ -300,7 +300,7 @@ func (t *tableBackend) client(b *testing.B) discovery.AggregatedDiscoveryService
 	}
 	s := &server{
 		serverParams: serverParams{
-			Config: Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Minute, XDSMaxResourcesPerResponse: defaultConfig.XDSMaxResourcesPerResponse, XDSMaxNames: defaultConfig.XDSMaxNames},
+			Config: Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Minute, XDSMaxResourcesPerResponse: defaultConfig.XDSMaxResourcesPerResponse, XDSMaxNames: defaultConfig.XDSMaxNames, XDSMaxStreams: defaultConfig.XDSMaxStreams},
 			Log:    slog.New(slog.DiscardHandler), Metrics: newMetrics(prometheus.NewRegistry()),
 			DB: t.db, Workloads: t.workloads, Digests: t.digests, Clients: clients, Acks: acks, Pods: pods, WorkloadConfig: workload.Config{ClusterID: "Kubernetes"},
 		},

@@ -33,7 +33,7 @@ func TestAnswerWaitsForTheDerivedTable(t *testing.T) {
 	derived := workloads.RegisterInitializer(wtxn, "test")
 	wtxn.Commit()
 	s := newTestServer(t, db, workloads, pods, "node-a",
-		Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Minute, XDSMaxResourcesPerResponse: 100, XDSMaxNames: 100})
+		Config{XDSCoalesce: time.Millisecond, XDSSendTimeout: time.Minute, XDSMaxResourcesPerResponse: 100, XDSMaxNames: 100, XDSMaxStreams: 1})
 	client := serve(t, func(srv *grpc.Server) { srv.RegisterService(serviceDesc(), s) })
 
 	web, err := workload.New("Kubernetes", "cluster.local", &tables.Pod{Namespace: "app", Name: "web", NodeName: "node-b",

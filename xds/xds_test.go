@@ -690,7 +690,6 @@ func TestStreamBounds(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	third.subscribe(xds.AddressType, nil, false)
 	select {
 	case err := <-third.errs:
 		if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "--xds-max-streams") {
@@ -708,7 +707,8 @@ func TestStreamBounds(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		fourth.subscribe(xds.AddressType, nil, false)
+		// Refused, the stream may be closed before the request goes.
+		_ = fourth.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, Node: node})
 		select {
 		case <-fourth.errs:
 			continue // the server has not seen second's end yet
