@@ -8,6 +8,7 @@ package grpcserver
 import (
 	"fmt"
 	"net"
+	"slices"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -92,6 +93,11 @@ func (c Config) validate() error {
 	}
 	if c.GRPCMaxConnections < 1 {
 		return fmt.Errorf("--grpc-max-connections=%d: want at least 1", c.GRPCMaxConnections)
+	}
+	if slices.Contains(c.TokenAudiences, "") || len(c.TokenAudiences) == 0 {
+		// Without an audience, TokenReview accepts tokens meant for the
+		// API server itself: any token the agent pod can read.
+		return fmt.Errorf("--token-audiences: want at least one, none empty (ztunnel's: istio-ca)")
 	}
 	if c.TokenReviewQPS <= 0 || c.TokenReviewBurst < 1 {
 		return fmt.Errorf("--token-review-qps and --token-review-burst must be positive")

@@ -187,6 +187,7 @@ func TestCAIssuesOnlyWhatItCanProve(t *testing.T) {
 		{"identity of a non-enrolled pod", "tok-a", newCSR(t, key, "spiffe://cluster.local/ns/app/sa/plain"), nil, codes.PermissionDenied, identity.ReasonNotEnrolled},
 		{"two SANs", "tok-a", newCSR(t, key, webID, "spiffe://cluster.local/identity/4242"), nil, codes.PermissionDenied, identity.ReasonSANs},
 		{"wrong trust domain", "tok-a", newCSR(t, key, "spiffe://evil.example/ns/app/sa/web"), nil, codes.PermissionDenied, identity.ReasonTrustDomain},
+		{"reserved identity (host)", "tok-a", newCSR(t, key, "spiffe://cluster.local/identity/1"), nil, codes.PermissionDenied, identity.ReasonReservedIdentity},
 		{"signature does not verify", "tok-a", badSignature, nil, codes.PermissionDenied, identity.ReasonBadSignature},
 		{"weak key", "tok-a", newCSR(t, rsa1024, webID), nil, codes.PermissionDenied, identity.ReasonWeakKey},
 		{"metadata disagrees with SAN", "tok-a", newCSR(t, key, webID),
@@ -203,7 +204,7 @@ func TestCAIssuesOnlyWhatItCanProve(t *testing.T) {
 		})
 	}
 	for _, reason := range []string{identity.ReasonNotOnThisNode, identity.ReasonNotEnrolled, identity.ReasonSANs,
-		identity.ReasonTrustDomain, identity.ReasonBadSignature, identity.ReasonWeakKey, identity.ReasonImpersonationMismatch} {
+		identity.ReasonTrustDomain, identity.ReasonReservedIdentity, identity.ReasonBadSignature, identity.ReasonWeakKey, identity.ReasonImpersonationMismatch} {
 		if got := testutil.ToFloat64(ta.counter(t, "mtlsbridge_ca_requests_refused_total", reason)); got != 1 {
 			t.Errorf("refused{reason=%q} = %v, want 1", reason, got)
 		}
