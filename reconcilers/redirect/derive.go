@@ -283,7 +283,7 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 		iface, found := findInterface(scan, pod.IPs)
 		problem := ""
 		if !found {
-			problem = noInterface(pod, scanErr)
+			problem = noInterface(pod, scan, scanErr)
 			for _, a := range attached(pod) {
 				out.attachments[a.Device] = a
 			}
@@ -342,7 +342,7 @@ func agentRow(scan Scan, scanErr error, agents []*tables.Pod) *Redirect {
 		return r
 	}
 	r.Pod = agents[0].Key()
-	r.Problem = noInterface(agents[0], scanErr)
+	r.Problem = noInterface(agents[0], scan, scanErr)
 	return r
 }
 
@@ -355,9 +355,12 @@ func findInterface(scan Scan, ips []netip.Addr) (PodInterface, bool) {
 	return PodInterface{}, false
 }
 
-func noInterface(pod *tables.Pod, scanErr error) string {
+func noInterface(pod *tables.Pod, scan Scan, scanErr error) string {
 	ips := make([]string, len(pod.IPs))
 	for i, ip := range pod.IPs {
+		if names, ok := scan.Claimed[ip]; ok {
+			return fmt.Sprintf("%v: %s is on the peers of %s; kept as it was", ErrAmbiguousInterface, ip, strings.Join(names, " and "))
+		}
 		ips[i] = ip.String()
 	}
 	msg := fmt.Sprintf("%v: no veth peer holds %s", ErrNoInterface, strings.Join(ips, ","))

@@ -41,6 +41,27 @@ type Scan struct {
 	// Local are the node's own global addresses (uplinks, cilium_host,
 	// ...): traffic to them is same-node.
 	Local []netip.Addr
+	// Claimed maps an address found behind several veths (a pod with
+	// NET_ADMIN configured another's) to their host-side names. Such an
+	// address is not in Pods: no claimant is believed.
+	Claimed map[netip.Addr][]string
+}
+
+// add records that the veth iface has addr on its peer.
+func (s *Scan) add(addr netip.Addr, iface PodInterface) {
+	if names, claimed := s.Claimed[addr]; claimed {
+		s.Claimed[addr] = append(names, iface.Name)
+		return
+	}
+	if first, ok := s.Pods[addr]; ok && first.Index != iface.Index {
+		delete(s.Pods, addr)
+		if s.Claimed == nil {
+			s.Claimed = map[netip.Addr][]string{}
+		}
+		s.Claimed[addr] = []string{first.Name, iface.Name}
+		return
+	}
+	s.Pods[addr] = iface
 }
 
 // Interfaces finds pods' interfaces and the node's devices. The cell
@@ -225,7 +246,7 @@ func scanOnce() (Scan, error) {
 			continue
 		}
 		for _, addr := range addrs {
-			s.Pods[addr] = PodInterface{Name: a.Name, Index: a.Index, MAC: mac, NetnsID: int32(a.NetNsID)}
+			s.add(addr, PodInterface{Name: a.Name, Index: a.Index, MAC: mac, NetnsID: int32(a.NetNsID)})
 		}
 	}
 	return s, errors.Join(errs...)

@@ -3,12 +3,17 @@
 package redirect_test
 
 import (
+	"net"
 	"net/netip"
+	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/cilium/ebpf"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
@@ -83,6 +88,45 @@ func TestRedirect(t *testing.T) {
 				t.Errorf("agent as %s -> %s answered by %s, want r seeing %s", p.src, p.dst, ans, p.src)
 			}
 		}
+	})
+	t.Run("a pod taking an enrolled pod's address does not take its steering", func(t *testing.T) {
+		// Pod n (NET_ADMIN) puts a's addresses on its own eth0. A scan
+		// that believed n would move a's entries and program to n's
+		// interface, and a's TCP would leave unsteered.
+		h := c.n.Netlink(t)
+		eth0, err := h.LinkByName("eth0")
+		must(t, err)
+		claims := []*netlink.Addr{
+			{IPNet: &net.IPNet{IP: c.a.IP4.AsSlice(), Mask: net.CIDRMask(32, 32)}},
+			{IPNet: &net.IPNet{IP: c.a.IP6.AsSlice(), Mask: net.CIDRMask(128, 128)}, Flags: unix.IFA_F_NODAD},
+		}
+		for _, claim := range claims {
+			must(t, h.AddrAdd(eth0, claim))
+		}
+		ag.waitFor(t, "a's IPv4 row saying the address is claimed twice", func(txn statedb.ReadTxn) bool {
+			r, _, ok := ag.redirects.Get(txn, redirect.RedirectByAddr(c.a.IP4))
+			return ok && strings.Contains(r.Status.GetError(), redirect.ErrAmbiguousInterface.Error())
+		})
+		pinned, err := ebpf.LoadPinnedMap(filepath.Join(c.bpfRoot, "agent", bpf.MapName), &ebpf.LoadPinOptions{ReadOnly: true})
+		must(t, err)
+		defer pinned.Close()
+		entries, err := bpf.NewRedirectMap(pinned).Dump()
+		must(t, err)
+		if e := entries[c.a.IP4]; e.Kind != bpf.KindEnrolled || int(e.Ifindex) != c.a.HostIndex {
+			t.Errorf("a's IPv4 entry %v, want enrolled on a's interface %d", e, c.a.HostIndex)
+		}
+		if !ag.attachmentIs(ag.db.ReadTxn(), c.a.HostIf, done) {
+			t.Errorf("a's interface lost its program:\n%s", ag.dump(ag.db.ReadTxn()))
+		}
+		if ans := ask(t, c.a, c.r.IP4, 8080); ans.Server != "agent" {
+			t.Errorf("a -> %s answered by %s, want the agent", c.r.IP4, ans)
+		}
+		for _, claim := range claims {
+			must(t, h.AddrDel(eth0, claim))
+		}
+		ag.waitFor(t, "a's IPv4 row done again", func(txn statedb.ReadTxn) bool {
+			return ag.redirectIs(txn, c.a.IP4, bpf.KindEnrolled, done)
+		})
 	})
 	t.Run("a pod without interface shows why, and nothing else suffers", func(t *testing.T) {
 		r, _, ok := ag.redirects.Get(ag.db.ReadTxn(), redirect.RedirectByAddr(ghostIP))

@@ -17,6 +17,9 @@ var (
 	// ErrNoInterface: no host-side veth has the pod's address on its peer
 	// (the CNI has not finished, or the pod is not behind a veth).
 	ErrNoInterface = errors.New("no interface found for the pod")
+	// ErrAmbiguousInterface: several veths have one of the pod's addresses
+	// on their peers (a pod with NET_ADMIN took another's address).
+	ErrAmbiguousInterface = errors.New("several interfaces hold the pod's address")
 	// ErrNoAgent: no pod of this node carries cilium.io/redir-type=proxy,
 	// or none has an interface yet.
 	ErrNoAgent = errors.New("no mTLS agent pod on this node")
