@@ -20,6 +20,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
 // TestCiliumChartRendersSidecar renders Cilium's chart with the shipped
@@ -156,6 +157,20 @@ func TestCiliumChartRendersSidecar(t *testing.T) {
 	}
 	if v, ok := volumes["cni-configuration"]; !ok || v.ConfigMap == nil || v.ConfigMap.Name != "mtlsbridge-cni-configuration" {
 		t.Errorf("the pod's cni-configuration volume is %+v, want ConfigMap mtlsbridge-cni-configuration", volumes["cni-configuration"])
+	}
+	// Services are translated at the socket in pods' namespaces, as the
+	// agent's own check of Cilium's rendered configuration says.
+	configDir := t.TempDir()
+	rendered, _, _ := unstructured.NestedStringMap(cfg.Object, "data")
+	for k, v := range rendered {
+		must(t, os.WriteFile(filepath.Join(configDir, k), []byte(v), 0o600))
+	}
+	if err := steering.ServicesAtSocket(configDir); err != nil {
+		t.Errorf("Cilium's rendered configuration: %v", err)
+	}
+	if got := host("cilium-config-dir"); got != "volume:tmp" {
+		t.Errorf("--cilium-config-dir=%s is %s, want in Cilium's tmp volume, where its init container writes the configuration",
+			flagString(t, fs, "cilium-config-dir"), got)
 	}
 	if flagString(t, fs, "cni-conflist") != install.PreferredConflist {
 		t.Errorf("--cni-conflist=%s, want the file Cilium writes (%s)", flagString(t, fs, "cni-conflist"), install.PreferredConflist)

@@ -24,6 +24,8 @@ var Cell = cell.Module(
 	cell.Config(defaultConfig),
 	// A mode that does not exist stops the agent at start, naming the flag.
 	cell.Invoke(Config.validate),
+	// Both modes see what Cilium's socket LB made of a Service address.
+	cell.Provide(checkServices),
 )
 
 // Mode names, the values of --redirect-mode.
@@ -41,6 +43,9 @@ const (
 type Config struct {
 	// RedirectMode is ModeL2 or ModeInPod (flag --redirect-mode).
 	RedirectMode string
+	// CiliumConfigDir is where Cilium's agent reads its configuration,
+	// one file per key (flag --cilium-config-dir; empty: not checked).
+	CiliumConfigDir string
 }
 
 var defaultConfig = Config{RedirectMode: ModeL2}
@@ -49,6 +54,8 @@ var defaultConfig = Config{RedirectMode: ModeL2}
 func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("redirect-mode", def.RedirectMode,
 		"How enrolled pods' TCP reaches the mTLS agent: l2 (BPF redirect to the agent's namespace, CFP-32759) or inpod (redirection inside each pod, namespaces handed to ztunnel over ZDS)")
+	flags.String("cilium-config-dir", def.CiliumConfigDir,
+		"Folder of Cilium's effective configuration (one file per key); checked at start: Services must be translated at the socket in pods' namespaces")
 }
 
 // Mode is the mode the configuration names. The zero Config (a hive
