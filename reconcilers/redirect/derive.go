@@ -56,7 +56,8 @@ type derivation struct {
 	// steered; their status says that nothing is applied.
 	disabled bool
 	// inherited: the from-pod links a previous agent left, by the
-	// addresses they steer, until a scan succeeds (see inheritedAttachments).
+	// addresses they steer (see inheritedAttachments). Read once at start;
+	// a pod's own row, once it has one, takes precedence.
 	inherited map[netip.Addr]*Attachment
 }
 
@@ -118,9 +119,6 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		// this for initScanGrace at most.
 		complete := scanErr == nil || time.Since(start) > initScanGrace
 		watches, problems := d.pass(scan, scanErr, complete)
-		if scanErr == nil {
-			d.inherited = nil // the tables hold every pod's interface now
-		}
 		nextPass = time.Now().Add((passDuty - 1) * time.Since(passStart))
 		switch {
 		case d.disabled:
@@ -372,10 +370,10 @@ func noInterface(pod *tables.Pod, scan Scan, scanErr error) string {
 
 // inheritedAttachments reads the from-pod links a previous agent left and
 // keys them by the enrolled addresses whose map entries name the link's
-// interface. A restarted agent whose interface scans keep failing (pods
-// churning) has no rows of its own for them; without these, the pruning
-// that follows initialization would detach every pod's program and let
-// enrolled pods send in clear until a scan succeeds.
+// interface. A restarted agent that cannot locate a pod (its scans keep
+// failing as pods churn, or another pod claims its addresses) has no row
+// of its own for the pod's link; without these, the pruning that follows
+// initialization would detach the program and let the pod send in clear.
 func inheritedAttachments(dp Datapath) map[netip.Addr]*Attachment {
 	entries, err := dp.Entries()
 	if err != nil {
