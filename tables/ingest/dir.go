@@ -252,6 +252,20 @@ func (d *dirSource) fileRow(f manifestFile, old *tables.Source) *tables.Source {
 		d.log.Error("Manifest file does not parse; keeping its objects read before", "dir", d.dir, "file", file, "error", err)
 		return src
 	}
+	if len(objErrs) > 0 && old != nil {
+		// An object that cannot be used may be a bad edit of one read
+		// before: the file's earlier objects it no longer defines stay
+		// until it has no bad object, so that a typo never deletes a pod.
+		defined := map[string]bool{}
+		for _, o := range objs {
+			defined[describe(o)] = true
+		}
+		for i, o := range old.Decoded {
+			if !defined[describe(o)] {
+				objs, docs = append(objs, o), append(docs, old.Documents[i])
+			}
+		}
+	}
 	src.Decoded, src.Documents, src.Objects = objs, docs, len(objs)
 	if len(objErrs) > 0 {
 		msgs := make([]string, len(objErrs))
