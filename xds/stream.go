@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"net/netip"
 	"runtime"
 	"runtime/trace"
 	"slices"
@@ -34,6 +35,10 @@ type typeState struct {
 	names map[string]string
 	// resolved counts the names resolved to each uid.
 	resolved map[string]int
+	// awaited are the "network/ip" names answered as removed (no workload
+	// had the address), by address: the workload that takes it later is
+	// pushed under the name.
+	awaited map[netip.Addr][]string
 	// held is what the client holds: resource name -> version (0 when the
 	// client sent a version we do not recognise: always resent). A
 	// wildcard Address stream keeps no such map once answered: its client
@@ -70,6 +75,34 @@ func (t *typeState) drop(name string) {
 		}
 	}
 	delete(t.names, name)
+	if ip, ok := aliasAddr(name); ok && len(t.awaited[ip]) > 0 {
+		if t.awaited[ip] = slices.DeleteFunc(t.awaited[ip], func(n string) bool { return n == name }); len(t.awaited[ip]) == 0 {
+			delete(t.awaited, ip)
+		}
+	}
+}
+
+// await records that name, an address no workload has, was answered as
+// removed.
+func (t *typeState) await(name string) {
+	ip, ok := aliasAddr(name)
+	if !ok || slices.Contains(t.awaited[ip], name) {
+		return
+	}
+	if t.awaited == nil {
+		t.awaited = map[netip.Addr][]string{}
+	}
+	t.awaited[ip] = append(t.awaited[ip], name)
+}
+
+// aliasAddr is the address of an on-demand "network/ip" name.
+func aliasAddr(name string) (netip.Addr, bool) {
+	_, ipText, ok := strings.Cut(name, "/")
+	if !ok {
+		return netip.Addr{}, false
+	}
+	ip, err := tables.ParsePodAddr(ipText)
+	return ip, err == nil
 }
 
 // stream is one delta ADS stream. Its loop owns all its state: requests
@@ -451,6 +484,7 @@ func (st *stream) answerAddresses(ts *typeState, snapshot bool, added []string) 
 		w := st.resolve(txn, name)
 		if w == nil {
 			removed = append(removed, name)
+			ts.await(name)
 			continue
 		}
 		ts.resolve(name, w.UID())
@@ -638,12 +672,8 @@ func (st *stream) resolve(txn statedb.ReadTxn, name string) *workload.Workload {
 	if w, _, found := st.srv.Workloads.Get(txn, workload.ByUID(name)); found {
 		return w
 	}
-	_, ipText, ok := strings.Cut(name, "/")
+	ip, ok := aliasAddr(name)
 	if !ok {
-		return nil
-	}
-	ip, err := tables.ParsePodAddr(ipText)
-	if err != nil {
 		return nil // "namespace/hostname": no services yet
 	}
 	var pods []string
@@ -688,13 +718,40 @@ func (st *stream) changesSince(ts *typeState, txn statedb.ReadTxn) ([]outgoing, 
 			}
 			continue
 		}
-		if !ts.interested(w.UID()) || st.heldVersion(ts, w) {
+		if !ts.interested(w.UID()) {
+			if names := st.awaitedBy(ts, txn, w); len(names) > 0 {
+				for _, name := range names {
+					ts.resolve(name, w.UID())
+					out = append(out, outgoing{w: w, alias: name})
+				}
+				st.sending(ts, w)
+			}
+			continue
+		}
+		if st.heldVersion(ts, w) {
 			continue
 		}
 		out = append(out, outgoing{w: w})
 		st.sending(ts, w)
 	}
 	return out, removed
+}
+
+// awaitedBy returns the awaited names of w's addresses.
+func (st *stream) awaitedBy(ts *typeState, txn statedb.ReadTxn, w *workload.Workload) []string {
+	if len(ts.awaited) == 0 {
+		return nil
+	}
+	key, _ := workload.PodOf(w.UID())
+	pod, _, found := st.srv.Pods.Get(txn, tables.PodByKey(key))
+	if !found {
+		return nil
+	}
+	var names []string
+	for _, ip := range tables.PodAddrs(txn, st.srv.CNIPods, pod) {
+		names = append(names, ts.awaited[ip]...)
+	}
+	return names
 }
 
 // holdsNow reports whether the client holds uid.

@@ -378,13 +378,26 @@ func TestOnDemand(t *testing.T) {
 	if !slices.Equal(removed, []string{"/10.9.9.9", "app/web.app.svc.cluster.local"}) {
 		t.Errorf("removed %v, want the unknown names", removed)
 	}
-	// Changes of other workloads are not pushed to an on-demand client.
-	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.9.9.9"))
+	// Changes of other workloads are not pushed to an on-demand client...
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.9.9.8"))
 	z.quiet(300 * time.Millisecond)
+	// ...but a workload that takes an address answered as unknown is,
+	// under that name: ztunnel would otherwise treat the address as
+	// outside the mesh until it looked it up again.
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.9.9.9"))
+	resp = z.recvType(xds.AddressType)
+	if got := names(resp); !slices.Equal(got, []string{"Kubernetes//Pod/app/db"}) || !slices.Equal(resp.Resources[0].Aliases, []string{"/10.9.9.9"}) {
+		t.Errorf("push once db takes the awaited address: %v, want db aliased /10.9.9.9", resp.Resources)
+	}
+	// Held now: its changes are pushed as any held workload's.
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(strings.ReplaceAll(newPod, "%s", "10.9.9.9"), "app: db", "app: db2"))
+	if got := names(z.recvType(xds.AddressType)); !slices.Equal(got, []string{"Kubernetes//Pod/app/db"}) {
+		t.Errorf("db changed: push %v, want db", got)
+	}
 
 	// A name asked again is answered again, though subscribed already:
-	// ztunnel asks once per lookup and waits for the answer. The address
-	// answered unknown is db's now; web's, held, is sent again.
+	// ztunnel asks once per lookup and waits for the answer. db's and
+	// web's, held, are sent again.
 	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResourceNamesSubscribe: []string{"/10.9.9.9", "/10.0.1.10"}})
 	if got := names(z.recvType(xds.AddressType)); !slices.Equal(got, []string{"Kubernetes//Pod/app/db", webUID}) {
 		t.Errorf("answer to names asked again: %v, want db and web", got)
