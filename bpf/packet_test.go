@@ -29,8 +29,11 @@ type packet struct {
 	// extHeaders inserts this many IPv6 option headers before L4 (a
 	// hop-by-hop header, then destination options).
 	extHeaders int
-	// laterFragment makes an IPv4 fragment with a non-zero offset (no L4 header).
+	// laterFragment makes a fragment with a non-zero offset (no L4
+	// header); in IPv6 its fragment header names fragmentNext (default
+	// TCP) as the header that follows in the first fragment.
 	laterFragment bool
+	fragmentNext  uint8
 	// tcpFlags default to a SYN.
 	tcpFlags uint8
 }
@@ -88,6 +91,21 @@ func (p packet) frame() []byte {
 		next = 60 // destination options
 		if i == 0 {
 			next = 0 // hop-by-hop, which must come first
+		}
+	}
+	if p.laterFragment {
+		fragNext := p.fragmentNext
+		if fragNext == 0 {
+			fragNext = proto
+		}
+		// next header, reserved, offset 185 (x 8 bytes) with M=0, id.
+		frag := []byte{fragNext, 0, 0, 0, 0, 0, 0, 1}
+		binary.BigEndian.PutUint16(frag[2:], 185<<3)
+		ext = append(ext, frag...)
+		if len(ext) == len(frag) {
+			next = 44
+		} else {
+			ext[len(ext)-len(frag)-8] = 44 // the last option header's next
 		}
 	}
 	binary.BigEndian.PutUint16(ip[4:], uint16(len(ext)+len(l4)))

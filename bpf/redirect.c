@@ -187,9 +187,17 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct flow *f)
 			if (i == MAX_IPV6_EXT_HEADERS || (void *)(ext + 1) > data_end)
 				return PARSED_UNSURE;
 			if (next == IPPROTO_FRAGMENT) {
-				if (ext->frag_off & bpf_htons(0xfff8))
-					// A later fragment: no ports.
-					return ext->next == IPPROTO_TCP ? PARSED_TCP : PARSED_OTHER;
+				if (ext->frag_off & bpf_htons(0xfff8)) {
+					// A later fragment: no ports. Options that
+					// follow this header are in the first
+					// fragment, and may hide TCP behind them.
+					if (ext->next == IPPROTO_TCP)
+						return PARSED_TCP;
+					if (ext->next == IPPROTO_DSTOPTS || ext->next == IPPROTO_ROUTING ||
+					    ext->next == IPPROTO_HOPOPTS)
+						return PARSED_UNSURE;
+					return PARSED_OTHER;
+				}
 				next = ext->next;
 				l4 += 8;
 				continue;

@@ -156,6 +156,10 @@ func TestFromPodFailsClosed(t *testing.T) {
 	check(t, objs.FromPod, []decision{
 		{"enrolled to remote, new connection", packet{src: podA, dst: remote, sport: 40000, dport: 8080}.frame(), podAIf, actShot},
 		{"enrolled to remote, later IPv4 fragment", packet{src: podA, dst: remote, laterFragment: true}.frame(), podAIf, actShot},
+		{"enrolled to remote, later IPv6 fragment", packet{src: podA6, dst: remote6, laterFragment: true}.frame(), podAIf, actShot},
+		// Destination options after the fragment header: the first
+		// fragment holds them and the TCP header, this one TCP payload.
+		{"enrolled to remote, later IPv6 fragment, options first", packet{src: podA6, dst: remote6, laterFragment: true, fragmentNext: 60}.frame(), podAIf, actShot},
 		{"enrolled to remote, not a new connection", packet{src: podA, dst: remote, sport: 40000, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actNext},
 		{"enrolled to a local pod", packet{src: podA, dst: podN, sport: 40000, dport: 8080}.frame(), podAIf, actNext},
 		{"not enrolled to remote", packet{src: podN, dst: remote, sport: 40000, dport: 8080}.frame(), podNIf, actNext},
