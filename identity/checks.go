@@ -30,11 +30,6 @@ const (
 	ReasonReservedIdentity      = "reserved-identity"
 )
 
-// minimalPodIdentity is the lowest Cilium security identity a pod gets;
-// those below are reserved (host, world, remote-node, ...), and a
-// certificate for one would let its holder pass for the node itself.
-const minimalPodIdentity = 256
-
 // RequestError is a refused request: the reason label and what to tell the
 // caller.
 type RequestError struct {
@@ -81,8 +76,9 @@ func CheckRequest(csrPEM string, metadata *structpb.Struct, trustDomain string) 
 	if id.TrustDomain != trustDomain {
 		return nil, spiffe.ID{}, refuse(ReasonTrustDomain, "%s is not in trust domain %q", san, trustDomain)
 	}
-	if id.CiliumIdentity != 0 && id.CiliumIdentity < minimalPodIdentity {
-		return nil, spiffe.ID{}, refuse(ReasonReservedIdentity, "%s is a reserved Cilium identity (below %d), never a pod's", san, minimalPodIdentity)
+	if id.CiliumIdentity != 0 && id.CiliumIdentity < spiffe.MinimalPodIdentity {
+		// A certificate for one would let its holder pass for the node.
+		return nil, spiffe.ID{}, refuse(ReasonReservedIdentity, "%s is a reserved Cilium identity (below %d), never a pod's", san, spiffe.MinimalPodIdentity)
 	}
 	if err := checkKey(csr.PublicKey); err != nil {
 		return nil, spiffe.ID{}, refuse(ReasonWeakKey, "%v", err)

@@ -21,6 +21,10 @@ func WorkloadID(trustDomain, namespace, serviceAccount string) string {
 	return "spiffe://" + trustDomain + "/ns/" + namespace + "/sa/" + serviceAccount
 }
 
+// MinimalPodIdentity is the lowest Cilium security identity a pod gets;
+// those below are reserved (host, world, init, remote-node, ...).
+const MinimalPodIdentity = 256
+
 // CiliumIdentityID is the SPIFFE ID of a Cilium security identity, the
 // scheme Cilium's mutual authentication uses: spiffe://TD/identity/N.
 func CiliumIdentityID(trustDomain string, identity uint32) string {

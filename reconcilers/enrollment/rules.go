@@ -91,7 +91,9 @@ func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 	}
 	if e.Enrolled {
 		e.SpiffeID = spiffe.WorkloadID(cfg.TrustDomain, pod.Namespace, pod.ServiceAccountOrDefault())
-		if pod.Identity != 0 {
+		// A reserved identity (init, while Cilium resolves the pod's
+		// labels) is never a pod's to prove.
+		if pod.Identity >= spiffe.MinimalPodIdentity {
 			e.IdentitySpiffeID = spiffe.CiliumIdentityID(cfg.TrustDomain, pod.Identity)
 		}
 	}
