@@ -56,8 +56,8 @@ type derivation struct {
 	// steered; their status says that nothing is applied.
 	disabled bool
 	// inherited: the from-pod links a previous agent left, by the
-	// addresses they steer (see inheritedAttachments). Read once at start;
-	// a pod's own row, once it has one, takes precedence.
+	// addresses they steer (see inheritedAttachments); nil until read.
+	// A pod's own row, once it has one, takes precedence.
 	inherited map[netip.Addr]*Attachment
 }
 
@@ -98,9 +98,6 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		return nil
 	}
 
-	if !d.disabled {
-		d.inherited = inheritedAttachments(d.Datapath)
-	}
 	retry := minRetry
 	start := time.Now()
 	var nextPass time.Time
@@ -110,6 +107,11 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		var scanErr error
 		passStart := time.Now() // what a pass costs paces the next
 		if !d.disabled {
+			if d.inherited == nil {
+				// Until it is read: the datapath may load after this starts
+				// (another agent holding the BPF root's lock).
+				d.inherited = inheritedAttachments(d.Datapath)
+			}
 			scan, scanErr = d.Interfaces.Scan()
 		}
 		// The tables count as initialized (which lets the reconcilers
@@ -374,6 +376,7 @@ func noInterface(pod *tables.Pod, scan Scan, scanErr error) string {
 // failing as pods churn, or another pod claims its addresses) has no row
 // of its own for the pod's link; without these, the pruning that follows
 // initialization would detach the program and let the pod send in clear.
+// It returns nil when the datapath cannot be read (yet).
 func inheritedAttachments(dp Datapath) map[netip.Addr]*Attachment {
 	entries, err := dp.Entries()
 	if err != nil {
