@@ -581,7 +581,9 @@ func (st *stream) subscribeClaims(ts *typeState, txn statedb.ReadTxn) {
 		w := st.resolve(txn, name)
 		switch {
 		case w == nil:
-			ts.names[strings.Clone(name)] = ""
+			name = strings.Clone(name)
+			ts.names[name] = ""
+			ts.await(name) // answered as removed below
 		case w.UID() == name:
 			ts.resolve(w.UID(), w.UID())
 		default:

@@ -445,15 +445,18 @@ func TestOnDemandReconnect(t *testing.T) {
 	}
 	z.cancel()
 
-	// Held as it is, and a uid of a pod that does not exist yet.
+	// Held as it is, a uid of a pod that does not exist yet, and an
+	// address no pod has yet.
 	held["Kubernetes//Pod/app/db"] = "1"
+	held["/10.0.2.31"] = "1"
 	z, err = connect(t, a, "tok-a")
 	if err != nil {
 		t.Fatal(err)
 	}
 	z.subscribe(xds.AddressType, held, true)
-	if resp := z.recvType(xds.AddressType); len(resp.Resources) != 0 || !slices.Equal(resp.RemovedResources, []string{"Kubernetes//Pod/app/db"}) {
-		t.Fatalf("reconnect answer %v, want db removed only", resp)
+	if resp := z.recvType(xds.AddressType); len(resp.Resources) != 0 ||
+		!slices.Equal(slices.Sorted(slices.Values(resp.RemovedResources)), []string{"/10.0.2.31", "Kubernetes//Pod/app/db"}) {
+		t.Fatalf("reconnect answer %v, want db and the address removed only", resp)
 	}
 	// Its row counts the names it holds as its subscriptions.
 	waitClient(t, a, func(c *xds.Client) bool { return c.Subscriptions[xds.AddressType] == strconv.Itoa(len(held)) })
@@ -465,6 +468,12 @@ func TestOnDemandReconnect(t *testing.T) {
 	editManifest(t, a, "cluster.yaml", "serviceAccountName: web}", "serviceAccountName: web-v2}")
 	if got := names(z.recvType(xds.AddressType)); !slices.Equal(got, []string{webUID}) {
 		t.Errorf("web changed, push %v, want web", got)
+	}
+	// And the address, once a pod takes it, under its name.
+	a.WriteManifest(t, "cache.yaml", strings.ReplaceAll(strings.ReplaceAll(newPod, "%s", "10.0.2.31"), "name: db,", "name: cache,"))
+	resp := z.recvType(xds.AddressType)
+	if got := names(resp); !slices.Equal(got, []string{"Kubernetes//Pod/app/cache"}) || !slices.Equal(resp.Resources[0].Aliases, []string{"/10.0.2.31"}) {
+		t.Errorf("cache took the claimed address, push %v, want cache aliased /10.0.2.31", resp.Resources)
 	}
 }
 
