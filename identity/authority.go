@@ -245,25 +245,38 @@ const (
 // of both roots verify against it until RetireDir. A step that was
 // interrupted is completed by running RotateDir again.
 func RotateDir(dir, trustDomain string) (RotationStep, error) {
+	nextCert, nextKey := filepath.Join(dir, NextCACertFile), filepath.Join(dir, NextCAKeyFile)
+	certPEM, certErr := os.ReadFile(nextCert)
+	keyPEM, keyErr := os.ReadFile(nextKey)
+	// The next root's key, then its certificate, become the signing ones,
+	// then the next files go, key first: each interruption is recognised
+	// and completed here.
+	finish := func() (RotationStep, error) {
+		return RootSigning, errors.Join(ignoreNotExist(os.Remove(nextKey)), ignoreNotExist(os.Remove(nextCert)))
+	}
 	current, err := LoadDir(dir, trustDomain, false)
 	if err != nil {
-		return 0, err
-	}
-	nextCert, nextKey := filepath.Join(dir, NextCACertFile), filepath.Join(dir, NextCAKeyFile)
-	certPEM, err := os.ReadFile(nextCert)
-	if errors.Is(err, os.ErrNotExist) {
-		if certPEM, keyPEM, err := NewRootMaterial(trustDomain, rootValidity); err != nil {
-			return 0, err
-		} else if err := writeRoot(dir, NextCACertFile, NextCAKeyFile, certPEM, keyPEM); err != nil {
+		signingKey, readErr := os.ReadFile(filepath.Join(dir, CAKeyFile))
+		if certErr != nil || keyErr != nil || readErr != nil || !bytes.Equal(signingKey, keyPEM) {
 			return 0, err
 		}
-		certPEM, err = os.ReadFile(nextCert)
+		if err := atomicfile.Write(filepath.Join(dir, CACertFile), certPEM, 0o644); err != nil {
+			return 0, err
+		}
+		return finish()
 	}
-	if err != nil {
-		return 0, err
+	if certs, _ := parseCertificates(certPEM); certErr == nil && len(certs) == 1 && certs[0].Equal(current.Root) {
+		return finish() // it signs already
 	}
-	keyPEM, err := os.ReadFile(nextKey)
-	if err != nil {
+	if errors.Is(certErr, os.ErrNotExist) || errors.Is(keyErr, os.ErrNotExist) {
+		// No next root, or only part of one: a new one.
+		if certPEM, keyPEM, err = NewRootMaterial(trustDomain, rootValidity); err != nil {
+			return 0, err
+		}
+		if err := writeRoot(dir, NextCACertFile, NextCAKeyFile, certPEM, keyPEM); err != nil {
+			return 0, err
+		}
+	} else if err := errors.Join(certErr, keyErr); err != nil {
 		return 0, err
 	}
 	next, err := ParseMaterial(certPEM, keyPEM, nil)
@@ -283,7 +296,14 @@ func RotateDir(dir, trustDomain string) (RotationStep, error) {
 	if err := writeRoot(dir, CACertFile, CAKeyFile, certPEM, keyPEM); err != nil {
 		return 0, err
 	}
-	return RootSigning, errors.Join(os.Remove(nextCert), os.Remove(nextKey))
+	return finish()
+}
+
+func ignoreNotExist(err error) error {
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
 }
 
 func writeTrusted(dir string, roots []*x509.Certificate) error {

@@ -466,3 +466,56 @@ func TestBundleWriteRetried(t *testing.T) {
 		return err == nil && bytes.Count(b, []byte("BEGIN CERTIFICATE")) == 2
 	})
 }
+
+// TestRotationResumes: a rotation's second step interrupted after the next
+// key became the signing key, or before the next files went, is completed
+// by running it again: the next root signs, the old one stays trusted.
+func TestRotationResumes(t *testing.T) {
+	for _, stop := range []string{"after the key", "before the cleanup"} {
+		t.Run(stop, func(t *testing.T) {
+			dir := t.TempDir()
+			if _, err := identity.LoadDir(dir, "cluster.local", true); err != nil {
+				t.Fatal(err)
+			}
+			old, err := os.ReadFile(filepath.Join(dir, identity.CACertFile))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if step, err := identity.RotateDir(dir, "cluster.local"); err != nil || step != identity.RootTrusted {
+				t.Fatalf("step 1: %d, %v", step, err)
+			}
+			nextCert, err1 := os.ReadFile(filepath.Join(dir, identity.NextCACertFile))
+			nextKey, err2 := os.ReadFile(filepath.Join(dir, identity.NextCAKeyFile))
+			if err := errors.Join(err1, err2); err != nil {
+				t.Fatal(err)
+			}
+			// What step 2 writes before it is interrupted.
+			var trusted bytes.Buffer
+			trusted.Write(old)
+			files := map[string][]byte{identity.TrustedRootsFile: trusted.Bytes(), identity.CAKeyFile: nextKey}
+			if stop == "before the cleanup" {
+				files[identity.CACertFile] = nextCert
+			}
+			for name, content := range files {
+				if err := os.WriteFile(filepath.Join(dir, name), content, 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if step, err := identity.RotateDir(dir, "cluster.local"); err != nil || step != identity.RootSigning {
+				t.Fatalf("resumed: %d, %v; want step 2 completed", step, err)
+			}
+			m, err := identity.LoadDir(dir, "cluster.local", false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(m.Root.Raw, mustRoot(t, nextCert).Raw) || len(m.Trusted) != 1 || !bytes.Equal(m.Trusted[0].Raw, mustRoot(t, old).Raw) {
+				t.Errorf("signing %s, trusting %d roots; want the next root signing and the old one trusted", m.Root.Subject.CommonName, len(m.Trusted))
+			}
+			for _, f := range []string{identity.NextCACertFile, identity.NextCAKeyFile} {
+				if _, err := os.Stat(filepath.Join(dir, f)); !errors.Is(err, os.ErrNotExist) {
+					t.Errorf("%s left behind: %v", f, err)
+				}
+			}
+		})
+	}
+}
