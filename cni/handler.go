@@ -170,8 +170,8 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, *stated
 	if !e.Enrolled && !e.Excluded() {
 		// Not selected might be by a namespace the agent has not seen
 		// yet (its informer behind the pods'): no final answer on that.
-		if _, _, nsWatch, found := h.Namespaces.GetWatch(txn, tables.NamespaceByName(pod.Namespace)); !found {
-			w.Add(nsWatch)
+		// The namespaces' watch, added above, wakes the long poll.
+		if _, _, found := h.Namespaces.Get(txn, tables.NamespaceByName(pod.Namespace)); !found {
 			return plugin.Answer{Detail: fmt.Sprintf("namespace %q not known yet", pod.Namespace)}, w
 		}
 	}
