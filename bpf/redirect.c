@@ -83,11 +83,15 @@ struct conn_key {
 	__be16 dport;
 };
 
-// The connections from_pod handed to an agent. A later packet of one that no
-// agent holds any more (the agent is gone, or came back in a new network
+// The connections of the pod that an agent held, as the pod sends them:
+// those the pod opened through the agent, and those the agent opened to the
+// pod in a remote client's name (inbound HBONE). A later packet of one that
+// no agent holds any more (the agent is gone, or came back in a new network
 // namespace) is dropped: the pod's peer was the agent, and passing the
 // packet on would send its payload in clear to the real destination (say
-// the next request on a pooled HTTP connection). LRU: the entries of closed
+// the next request on a pooled HTTP connection). A new connection with the
+// same 4-tuple starts with a SYN (outbound) or the pod's SYN-ACK (inbound),
+// which replaces or removes the entry. LRU: the entries of closed
 // connections age out. Pinned, so that a restarted node agent keeps them.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
@@ -106,6 +110,7 @@ struct flow {
 	__u8 ipv6;
 	__u8 has_ports; // false for non-first fragments
 	__u8 syn;       // SYN without ACK: the first packet of a connection
+	__u8 synack;    // SYN with ACK: the answer to a peer's first packet
 };
 
 static __always_inline void map_ipv4(struct redirect_key *key, __be32 addr)
@@ -218,6 +223,7 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct flow *f)
 	f->dport = tcp->dest;
 	f->has_ports = 1;
 	f->syn = tcp->syn && !tcp->ack;
+	f->synack = tcp->syn && tcp->ack;
 	return PARSED_TCP;
 }
 
@@ -353,6 +359,13 @@ int from_pod(struct __sk_buff *skb)
 		if (!bpf_map_lookup_elem(&proxied_map, &conn))
 			bpf_map_update_elem(&proxied_map, &conn, &one, BPF_ANY);
 		return steer(skb, to);
+	}
+	// The pod accepting a new plaintext connection: whatever the 4-tuple
+	// carried before is over. (The pod never answers a SYN on a connection
+	// it opened through the agent.)
+	if (f.synack) {
+		bpf_map_delete_elem(&proxied_map, &conn);
+		return TC_ACT_UNSPEC;
 	}
 	if (bpf_map_lookup_elem(&proxied_map, &conn))
 		return TC_ACT_SHOT;

@@ -134,6 +134,51 @@ func TestAgentSocketGone(t *testing.T) {
 	}
 }
 
+// TestInboundTupleReused: the pod's replies on a connection the agent
+// opened to it in a remote client's name (inbound HBONE) are the agent's
+// while it holds the connection, and dropped once it is gone. A later
+// plaintext connection from the same client port is the pod's own: its
+// SYN-ACK and what follows pass.
+func TestInboundTupleReused(t *testing.T) {
+	objs := loadNode(t)
+	node, agent, withNetns := agentNamespaces(t)
+	must(t, objs.Redirects.Update(bpf.AgentKey, withNetns))
+	verdict := func(p packet) uint32 {
+		var got uint32
+		must(t, node.Do(func() (err error) {
+			got, _, err = runErr(objs.FromPod, p.frame(), podAIf)
+			return err
+		}))
+		return got
+	}
+	var fd int
+	must(t, agent.Do(func() (err error) {
+		fd, err = connectTransparent(t, netip.AddrPortFrom(remote, 43000), netip.AddrPortFrom(podA, 8443))
+		return err
+	}))
+	synAck := packet{src: podA, dst: remote, sport: 8443, dport: 43000, tcpFlags: flagSYN | flagACK}
+	ack := synAck
+	ack.tcpFlags = flagACK
+	if got := verdict(synAck); got != actRedirect {
+		t.Fatalf("the pod's SYN-ACK to the agent: verdict %d, want the agent", int32(got))
+	}
+	if got := verdict(ack); got != actRedirect {
+		t.Fatalf("the pod's reply to the agent: verdict %d, want the agent", int32(got))
+	}
+	must(t, unix.Close(fd))
+	if got := verdict(ack); got != actShot {
+		t.Fatalf("the pod's reply, the agent's socket gone: verdict %d, want dropped", int32(got))
+	}
+	// The client, no longer enrolled, connects again in plaintext from the
+	// same port.
+	if got := verdict(synAck); got != actNext {
+		t.Fatalf("the pod's SYN-ACK to a plaintext client: verdict %d, want passed", int32(got))
+	}
+	if got := verdict(ack); got != actNext {
+		t.Fatalf("the pod's reply to a plaintext client: verdict %d, want passed", int32(got))
+	}
+}
+
 // evictAll deletes every entry of m.
 func evictAll(t *testing.T, m *ebpf.Map) {
 	t.Helper()
