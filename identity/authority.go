@@ -74,6 +74,9 @@ func ParseMaterial(certPEM, keyPEM, trustedPEM []byte) (*Material, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", TrustedRootsFile, err)
 	}
+	// The signing root may be listed too (a rotation's second step lists it
+	// before it signs): the bundle names it once.
+	trusted = slices.DeleteFunc(trusted, root.Equal)
 	return &Material{Root: root, key: key, Trusted: trusted}, nil
 }
 
@@ -287,10 +290,13 @@ func RotateDir(dir, trustDomain string) (RotationStep, error) {
 		return RootTrusted, writeTrusted(dir, append(current.Trusted, next.Root))
 	}
 	// Trusted first: until the next root signs, the current one must be.
+	// The next root stays listed, so that a second step interrupted here is
+	// still recognised as one.
 	others := slices.DeleteFunc(slices.Clone(current.Trusted), func(c *x509.Certificate) bool {
 		return c.Equal(next.Root) || c.Equal(current.Root)
 	})
-	if err := writeTrusted(dir, append([]*x509.Certificate{current.Root}, others...)); err != nil {
+	trusted := append([]*x509.Certificate{current.Root}, others...)
+	if err := writeTrusted(dir, append(trusted, next.Root)); err != nil {
 		return 0, err
 	}
 	if err := writeRoot(dir, CACertFile, CAKeyFile, certPEM, keyPEM); err != nil {

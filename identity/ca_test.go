@@ -471,7 +471,7 @@ func TestBundleWriteRetried(t *testing.T) {
 // key became the signing key, or before the next files went, is completed
 // by running it again: the next root signs, the old one stays trusted.
 func TestRotationResumes(t *testing.T) {
-	for _, stop := range []string{"after the key", "before the cleanup"} {
+	for _, stop := range []string{"after the bundle", "after the key", "before the cleanup"} {
 		t.Run(stop, func(t *testing.T) {
 			dir := t.TempDir()
 			if _, err := identity.LoadDir(dir, "cluster.local", true); err != nil {
@@ -489,10 +489,23 @@ func TestRotationResumes(t *testing.T) {
 			if err := errors.Join(err1, err2); err != nil {
 				t.Fatal(err)
 			}
-			// What step 2 writes before it is interrupted.
-			var trusted bytes.Buffer
-			trusted.Write(old)
-			files := map[string][]byte{identity.TrustedRootsFile: trusted.Bytes(), identity.CAKeyFile: nextKey}
+			// What step 2 writes before it is interrupted, taken from a
+			// copy of the folder that completes it.
+			completed := t.TempDir()
+			if err := os.CopyFS(completed, os.DirFS(dir)); err != nil {
+				t.Fatal(err)
+			}
+			if step, err := identity.RotateDir(completed, "cluster.local"); err != nil || step != identity.RootSigning {
+				t.Fatalf("step 2: %d, %v", step, err)
+			}
+			trusted, err := os.ReadFile(filepath.Join(completed, identity.TrustedRootsFile))
+			if err != nil {
+				t.Fatal(err)
+			}
+			files := map[string][]byte{identity.TrustedRootsFile: trusted}
+			if stop != "after the bundle" {
+				files[identity.CAKeyFile] = nextKey
+			}
 			if stop == "before the cleanup" {
 				files[identity.CACertFile] = nextCert
 			}
