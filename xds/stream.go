@@ -95,6 +95,26 @@ func (t *typeState) await(name string) {
 	t.awaited[ip] = append(t.awaited[ip], name)
 }
 
+// unresolve returns the names resolved to uid, a workload that is gone,
+// other than uid itself, and marks them unresolved: the client keeps them
+// subscribed.
+func (t *typeState) unresolve(uid string) []string {
+	if t.resolved[uid] == 0 {
+		return nil
+	}
+	var names []string
+	for name, to := range t.names {
+		if to == uid && name != uid {
+			names = append(names, name)
+		}
+	}
+	for _, name := range names {
+		t.drop(name)
+		t.names[name] = ""
+	}
+	return names
+}
+
 // aliasAddr is the address of an on-demand "network/ip" name.
 func aliasAddr(name string) (netip.Addr, bool) {
 	_, ipText, ok := strings.Cut(name, "/")
@@ -715,6 +735,7 @@ func (st *stream) changesSince(ts *typeState, txn statedb.ReadTxn) ([]outgoing, 
 			if st.holdsNow(ts, uid) {
 				if !ts.wildcard {
 					delete(ts.held, uid)
+					out = append(out, st.followAddresses(ts, txn, ts.unresolve(uid))...)
 				}
 				removed = append(removed, uid)
 			}
@@ -737,6 +758,23 @@ func (st *stream) changesSince(ts *typeState, txn statedb.ReadTxn) ([]outgoing, 
 		st.sending(ts, w)
 	}
 	return out, removed
+}
+
+// followAddresses resolves names that lost their workload again: to the
+// workload that has the address now, or awaited until one takes it.
+func (st *stream) followAddresses(ts *typeState, txn statedb.ReadTxn, names []string) []outgoing {
+	var out []outgoing
+	for _, name := range names {
+		w := st.resolve(txn, name)
+		if w == nil {
+			ts.await(name)
+			continue
+		}
+		ts.resolve(name, w.UID())
+		out = append(out, outgoing{w: w, alias: name})
+		st.sending(ts, w)
+	}
+	return out
 }
 
 // awaitedBy returns the awaited names of w's addresses.

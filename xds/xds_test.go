@@ -394,6 +394,30 @@ func TestOnDemand(t *testing.T) {
 	if got := names(z.recvType(xds.AddressType)); !slices.Equal(got, []string{"Kubernetes//Pod/app/db"}) {
 		t.Errorf("db changed: push %v, want db", got)
 	}
+	// db goes, and another pod takes its address: the name, still
+	// subscribed, follows the address again.
+	if err := os.Remove(filepath.Join(a.Manifests, "db.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	if resp := z.recvType(xds.AddressType); !slices.Equal(resp.RemovedResources, []string{"Kubernetes//Pod/app/db"}) {
+		t.Errorf("db deleted: push %v, want its removal", resp)
+	}
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(strings.ReplaceAll(newPod, "%s", "10.9.9.9"), "name: db,", "name: db2,"))
+	resp = z.recvType(xds.AddressType)
+	if got := names(resp); !slices.Equal(got, []string{"Kubernetes//Pod/app/db2"}) || !slices.Equal(resp.Resources[0].Aliases, []string{"/10.9.9.9"}) {
+		t.Errorf("push once db2 takes the address: %v, want db2 aliased /10.9.9.9", resp.Resources)
+	}
+	// The pod table may show db before db2's workload goes, or after:
+	// either way db follows, in the same push or the next.
+	a.WriteManifest(t, "db.yaml", strings.ReplaceAll(newPod, "%s", "10.9.9.9"))
+	var sent, gone []string
+	for len(sent) == 0 || len(gone) == 0 {
+		resp := z.recvType(xds.AddressType)
+		sent, gone = append(sent, names(resp)...), append(gone, resp.RemovedResources...)
+	}
+	if !slices.Equal(sent, []string{"Kubernetes//Pod/app/db"}) || !slices.Equal(gone, []string{"Kubernetes//Pod/app/db2"}) {
+		t.Errorf("db back in db2's place: sent %v, removed %v; want db and db2", sent, gone)
+	}
 
 	// A name asked again is answered again, though subscribed already:
 	// ztunnel asks once per lookup and waits for the answer. db's and
