@@ -41,7 +41,8 @@ func BenchmarkMapUpdates(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer objs.Close()
-	dp := &bpfDatapath{objs: objs}
+	dp := &bpfDatapath{}
+	dp.loaded.Store(&loadedDatapath{objs: objs})
 
 	var (
 		db  *statedb.DB

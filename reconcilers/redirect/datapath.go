@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 
 	"github.com/cilium/hive/cell"
 
@@ -42,10 +43,18 @@ type Datapath interface {
 // bpfDatapath keeps the map and the links pinned under --bpf-root, so that
 // they outlive the agent: programs keep steering while it restarts.
 type bpfDatapath struct {
-	root     string
-	linksDir string
-	netns    *NodeNetns
+	root  string
+	netns *NodeNetns
+	// loaded is nil until the start hook has loaded the programs or failed
+	// to: the reconcilers' jobs may run before it (the hook waits while
+	// another agent holds the BPF root).
+	loaded atomic.Pointer[loadedDatapath]
+}
+
+// loadedDatapath is what the start hook loaded, or why it could not.
+type loadedDatapath struct {
 	objs     *bpf.Objects
+	linksDir string
 	lock     *statedir.Lock
 	err      error
 }
@@ -67,19 +76,21 @@ func newDatapath(p datapathParams) Datapath {
 	lc, log, health, cfg, netns := p.Lifecycle, p.Log, p.Health, p.Config, p.Netns
 	switch {
 	case inactive(p.Mode):
-		return &bpfDatapath{err: ErrInactive}
+		return failedDatapath(ErrInactive)
 	case !cfg.EnableRedirect:
-		return &bpfDatapath{err: ErrDisabled}
+		return failedDatapath(ErrDisabled)
 	}
 	dp := &bpfDatapath{root: cfg.BPFRoot, netns: netns}
 	health = health.NewScope("datapath")
 	lc.Append(cell.Hook{
 		OnStart: func(ctx cell.HookContext) error {
+			l := dp.load(ctx, log)
+			dp.loaded.Store(l)
 			// Failing here would stop the agent; a node without BPF keeps
 			// the rest of it, and every row says why nothing is steered.
-			if dp.err = dp.load(ctx, log); dp.err != nil {
-				log.Warn("BPF redirection unavailable", "error", dp.err)
-				health.Degraded("BPF datapath unavailable", dp.err)
+			if l.err != nil {
+				log.Warn("BPF redirection unavailable", "error", l.err)
+				health.Degraded("BPF datapath unavailable", l.err)
 				return nil
 			}
 			health.OK("programs loaded, map and links pinned under " + dp.root)
@@ -88,11 +99,13 @@ func newDatapath(p datapathParams) Datapath {
 		OnStop: func(cell.HookContext) error {
 			// Close the descriptors only: the pins keep the map entries and
 			// the attached programs for the next agent.
-			if dp.objs != nil {
-				dp.objs.Close()
-			}
-			if dp.lock != nil {
-				dp.lock.Release()
+			if l := dp.loaded.Load(); l != nil {
+				if l.objs != nil {
+					l.objs.Close()
+				}
+				if l.lock != nil {
+					l.lock.Release()
+				}
 			}
 			return nil
 		},
@@ -100,79 +113,100 @@ func newDatapath(p datapathParams) Datapath {
 	return dp
 }
 
-func (dp *bpfDatapath) load(ctx context.Context, log *slog.Logger) error {
-	var err error
+// failedDatapath is a datapath that is never loaded, for err.
+func failedDatapath(err error) *bpfDatapath {
+	dp := &bpfDatapath{}
+	dp.loaded.Store(&loadedDatapath{err: err})
+	return dp
+}
+
+func (dp *bpfDatapath) load(ctx context.Context, log *slog.Logger) *loadedDatapath {
+	l := &loadedDatapath{}
 	if err := bpf.PrepareRoot(dp.root); err != nil {
-		return fmt.Errorf("--bpf-root=%s: %w", dp.root, err)
+		l.err = fmt.Errorf("--bpf-root=%s: %w", dp.root, err)
+		return l
 	}
 	// Two agents writing one map would undo each other's entries: wait
 	// while another agent (a rolling update's other half) holds it.
-	if dp.lock, err = statedir.LockFolder(ctx, dp.root, "BPF root", log); err != nil {
-		return fmt.Errorf("--bpf-root=%s: %w", dp.root, err)
+	if l.lock, l.err = statedir.LockFolder(ctx, dp.root, "BPF root", log); l.err != nil {
+		l.err = fmt.Errorf("--bpf-root=%s: %w", dp.root, l.err)
+		return l
 	}
-	if dp.linksDir, err = bpf.PinDir(dp.root, "links"); err != nil {
-		return err
+	if l.linksDir, l.err = bpf.PinDir(dp.root, "links"); l.err != nil {
+		return l
 	}
-	dp.objs, err = bpf.Load(dp.root)
-	return err
+	l.objs, l.err = bpf.Load(dp.root)
+	return l
+}
+
+// use returns the loaded datapath, or why it cannot be used.
+func (dp *bpfDatapath) use() (*loadedDatapath, error) {
+	switch l := dp.loaded.Load(); {
+	case l == nil || (l.err == nil && l.objs == nil):
+		return nil, fmt.Errorf("%w: not loaded yet", ErrDatapathUnavailable)
+	case l.err != nil:
+		return nil, fmt.Errorf("%w: %w", ErrDatapathUnavailable, l.err)
+	default:
+		return l, nil
+	}
 }
 
 func (dp *bpfDatapath) Err() error {
-	if dp.err != nil {
-		return fmt.Errorf("%w: %w", ErrDatapathUnavailable, dp.err)
-	}
-	if dp.objs == nil {
-		return fmt.Errorf("%w: not loaded yet", ErrDatapathUnavailable)
-	}
-	return nil
+	_, err := dp.use()
+	return err
 }
 
 func (dp *bpfDatapath) UpdateEntry(addr netip.Addr, e bpf.Entry) error {
-	if err := dp.Err(); err != nil {
+	l, err := dp.use()
+	if err != nil {
 		return err
 	}
-	return dp.objs.Redirects.Update(addr, e)
+	return l.objs.Redirects.Update(addr, e)
 }
 
 func (dp *bpfDatapath) DeleteEntry(addr netip.Addr) error {
-	if err := dp.Err(); err != nil {
+	l, err := dp.use()
+	if err != nil {
 		return err
 	}
-	return dp.objs.Redirects.Delete(addr)
+	return l.objs.Redirects.Delete(addr)
 }
 
 func (dp *bpfDatapath) Entries() (map[netip.Addr]bpf.Entry, error) {
-	if err := dp.Err(); err != nil {
+	l, err := dp.use()
+	if err != nil {
 		return nil, err
 	}
-	return dp.objs.Redirects.Dump()
+	return l.objs.Redirects.Dump()
 }
 
 func (dp *bpfDatapath) Attach(h bpf.Hook, device string, ifindex int) error {
-	if err := dp.Err(); err != nil {
+	l, err := dp.use()
+	if err != nil {
 		return err
 	}
-	return dp.netns.Do(func() error { return dp.objs.Attach(h, dp.pin(device), ifindex) })
+	return dp.netns.Do(func() error { return l.objs.Attach(h, dp.pin(device), ifindex) })
 }
 
 func (dp *bpfDatapath) Detach(device string) error {
-	if err := dp.Err(); err != nil {
+	if _, err := dp.use(); err != nil {
 		return err
 	}
 	return bpf.Detach(dp.pin(device))
 }
 
 func (dp *bpfDatapath) Attached() (map[string]int, error) {
-	if err := dp.Err(); err != nil {
+	l, err := dp.use()
+	if err != nil {
 		return nil, err
 	}
-	entries, err := os.ReadDir(dp.linksDir)
+	entries, err := os.ReadDir(l.linksDir)
 	if err != nil {
 		return nil, err
 	}
 	devices := map[string]int{}
 	for _, e := range entries {
-		li, _ := bpf.PinnedLink(filepath.Join(dp.linksDir, e.Name()))
+		li, _ := bpf.PinnedLink(filepath.Join(l.linksDir, e.Name()))
 		devices[unpinName(e.Name())] = li.Ifindex
 	}
 	return devices, nil
