@@ -15,6 +15,7 @@ const (
 	protoTCP  = 6
 	protoUDP  = 17
 	protoICMP = 1
+	protoAH   = 51
 )
 
 var (
@@ -29,6 +30,9 @@ type packet struct {
 	// extHeaders inserts this many IPv6 option headers before L4 (a
 	// hop-by-hop header, then destination options).
 	extHeaders int
+	// authHeader inserts an IPv6 authentication header (AH) before L4,
+	// after the option headers; not with laterFragment.
+	authHeader bool
 	// laterFragment makes a fragment with a non-zero offset (no L4
 	// header); in IPv6 its fragment header names fragmentNext (default
 	// TCP) as the header that follows in the first fragment.
@@ -92,6 +96,17 @@ func (p packet) frame() []byte {
 		if i == 0 {
 			next = 0 // hop-by-hop, which must come first
 		}
+	}
+	if p.authHeader {
+		// Next header, length 4 (24 bytes: the fixed 12 and a 12-byte ICV).
+		ah := make([]byte, 24)
+		ah[0], ah[1] = proto, 4
+		if len(ext) == 0 {
+			next = protoAH
+		} else {
+			ext[len(ext)-8] = protoAH // the last option header's next
+		}
+		ext = append(ext, ah...)
 	}
 	if p.laterFragment {
 		fragNext := p.fragmentNext

@@ -35,6 +35,10 @@
 
 #define HBONE_PORT 15008
 #define MAX_IPV6_EXT_HEADERS 4
+// IPv6 extension headers the UAPI headers do not name (RFC 7045's list).
+#define IPPROTO_MOBILITY 135
+#define IPPROTO_HIP 139
+#define IPPROTO_SHIM6 140
 #define IP_FRAG_OFFSET_MASK 0x1fff
 
 // What a redirect map entry says about its address.
@@ -140,6 +144,24 @@ static __always_inline void pull_headers(struct __sk_buff *skb)
 		bpf_skb_pull_data(skb, want);
 }
 
+// ipv6_ext reports whether an IPv6 next header value is an extension
+// header, which another header, maybe TCP, may follow.
+static __always_inline int ipv6_ext(__u8 next)
+{
+	switch (next) {
+	case IPPROTO_HOPOPTS:
+	case IPPROTO_ROUTING:
+	case IPPROTO_FRAGMENT:
+	case IPPROTO_DSTOPTS:
+	case IPPROTO_AH:
+	case IPPROTO_MOBILITY:
+	case IPPROTO_HIP:
+	case IPPROTO_SHIM6:
+		return 1;
+	}
+	return 0;
+}
+
 // parse fills f with the addresses and, for TCP, the ports.
 static __always_inline enum parsed parse(struct __sk_buff *skb, struct flow *f)
 {
@@ -186,29 +208,30 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct flow *f)
 				__be16 frag_off; // fragment header only
 			} *ext = l4;
 
-			if (next != IPPROTO_HOPOPTS && next != IPPROTO_ROUTING &&
-			    next != IPPROTO_DSTOPTS && next != IPPROTO_FRAGMENT)
+			if (!ipv6_ext(next))
 				break;
 			if (i == MAX_IPV6_EXT_HEADERS || (void *)(ext + 1) > data_end)
 				return PARSED_UNSURE;
 			if (next == IPPROTO_FRAGMENT) {
 				if (ext->frag_off & bpf_htons(0xfff8)) {
-					// A later fragment: no ports. Options that
-					// follow this header are in the first
+					// A later fragment: no ports. Headers that
+					// follow this one are in the first
 					// fragment, and may hide TCP behind them.
 					if (ext->next == IPPROTO_TCP)
 						return PARSED_TCP;
-					if (ext->next == IPPROTO_DSTOPTS || ext->next == IPPROTO_ROUTING ||
-					    ext->next == IPPROTO_HOPOPTS)
-						return PARSED_UNSURE;
-					return PARSED_OTHER;
+					return ipv6_ext(ext->next) ? PARSED_UNSURE : PARSED_OTHER;
 				}
 				next = ext->next;
 				l4 += 8;
 				continue;
 			}
+			// AH counts its length in 4-byte units, less 2; the
+			// others in 8-byte units, less 1.
+			if (next == IPPROTO_AH)
+				l4 += (ext->len + 2) * 4;
+			else
+				l4 += (ext->len + 1) * 8;
 			next = ext->next;
-			l4 += (ext->len + 1) * 8;
 		}
 		if (next != IPPROTO_TCP)
 			return PARSED_OTHER;

@@ -128,6 +128,10 @@ func TestFromPod(t *testing.T) {
 		{"enrolled to remote, IPv6", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080}.frame(), podAIf, actRedirect},
 		{"enrolled to remote, IPv6 extension header", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080, extHeaders: 1}.frame(), podAIf, actRedirect},
 		{"enrolled to remote, IPv6 four extension headers", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080, extHeaders: 4}.frame(), podAIf, actRedirect},
+		// The AH's length counts differently: a misread would lose the
+		// ports, and a packet without them is steered.
+		{"enrolled to remote, IPv6 authentication header", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080, extHeaders: 2, authHeader: true}.frame(), podAIf, actRedirect},
+		{"enrolled to remote, IPv6 authentication header, not a new connection", packet{src: podA6, dst: remote6, sport: 39000, dport: 8080, authHeader: true, tcpFlags: flagACK}.frame(), podAIf, actNext},
 		{"enrolled to remote, IPv6 too many extension headers", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080, extHeaders: 5}.frame(), podAIf, actShot},
 		{"enrolled to a local pod, IPv6 too many extension headers", packet{src: podA6, dst: podN6, sport: 40000, dport: 8080, extHeaders: 5}.frame(), podAIf, actNext},
 		{"not enrolled, IPv6 too many extension headers", packet{src: podN6, dst: remote6, sport: 40000, dport: 8080, extHeaders: 5}.frame(), podNIf, actNext},
@@ -160,6 +164,7 @@ func TestFromPodFailsClosed(t *testing.T) {
 		// Destination options after the fragment header: the first
 		// fragment holds them and the TCP header, this one TCP payload.
 		{"enrolled to remote, later IPv6 fragment, options first", packet{src: podA6, dst: remote6, laterFragment: true, fragmentNext: 60}.frame(), podAIf, actShot},
+		{"enrolled to remote, later IPv6 fragment, AH first", packet{src: podA6, dst: remote6, laterFragment: true, fragmentNext: protoAH}.frame(), podAIf, actShot},
 		{"enrolled to remote, not a new connection", packet{src: podA, dst: remote, sport: 40000, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actNext},
 		{"enrolled to a local pod", packet{src: podA, dst: podN, sport: 40000, dport: 8080}.frame(), podAIf, actNext},
 		{"not enrolled to remote", packet{src: podN, dst: remote, sport: 40000, dport: 8080}.frame(), podNIf, actNext},
