@@ -181,10 +181,11 @@ type podLabelView struct {
 
 // Cilium's pseudo labels (pkg/k8s/apis/cilium.io), besides NamespaceLabel.
 const (
-	ciliumLabelPrefix     = "io.cilium.k8s."
-	serviceAccountLabel   = ciliumLabelPrefix + "policy.serviceaccount"
-	clusterLabel          = ciliumLabelPrefix + "policy.cluster"
-	namespaceLabelsPrefix = ciliumLabelPrefix + "namespace.labels."
+	// Cilium drops a pod's own labels under this prefix, dot or not.
+	ciliumLabelPrefix     = "io.cilium.k8s"
+	serviceAccountLabel   = ciliumLabelPrefix + ".policy.serviceaccount"
+	clusterLabel          = ciliumLabelPrefix + ".policy.cluster"
+	namespaceLabelsPrefix = ciliumLabelPrefix + ".namespace.labels."
 )
 
 func (v podLabelView) Lookup(key string) (string, bool) {
@@ -192,7 +193,8 @@ func (v podLabelView) Lookup(key string) (string, bool) {
 	case key == NamespaceLabel:
 		return v.pod.Namespace, true
 	case key == serviceAccountLabel:
-		return v.pod.ServiceAccountOrDefault(), true
+		// Cilium sets it only for a pod that names its service account.
+		return v.pod.ServiceAccount, v.pod.ServiceAccount != ""
 	case key == clusterLabel:
 		return v.cluster, true
 	case strings.HasPrefix(key, namespaceLabelsPrefix):
