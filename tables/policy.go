@@ -44,10 +44,11 @@ type Policy struct {
 	// except for a bad AuthenticationModeAnnotation: Cilium ignores it, and
 	// the rules that require authentication themselves still enroll.
 	Error string `json:"error,omitempty"`
-	// LastValid is set when Error is, and Selectors also hold those of the
-	// policy's last valid version: an edit that breaks a policy must not
-	// silently unenroll the pods it protects (fail closed).
-	LastValid bool `json:"lastValid,omitempty"`
+	// LastValidSelectors, set only with Error, are the Selectors of the
+	// policy's last valid version, which Selectors also hold: an edit that
+	// breaks a policy must not silently unenroll the pods it protects (fail
+	// closed).
+	LastValidSelectors []EndpointSelector `json:"lastValidSelectors,omitempty"`
 
 	// key caches Key(): the enrollment of every pod compares the keys of
 	// the policies that select it.
@@ -55,13 +56,22 @@ type Policy struct {
 }
 
 // KeepLastValid returns the new version of a policy, holding on to the
-// selectors of old, besides its own, when new is invalid and old had some.
+// selectors of the last valid version before it, besides its own, when new
+// is invalid. Invalid versions in between add nothing.
 func KeepLastValid(old, new *Policy) *Policy {
-	if new.Error == "" || old == nil || len(old.Selectors) == 0 {
+	if new.Error == "" || old == nil {
+		return new
+	}
+	valid := old.Selectors
+	if old.Error != "" {
+		valid = old.LastValidSelectors
+	}
+	if len(valid) == 0 {
 		return new
 	}
 	c := *new
-	c.Selectors, c.LastValid = slices.Clone(old.Selectors), true
+	c.LastValidSelectors = valid
+	c.Selectors = slices.Clone(valid)
 	for _, s := range new.Selectors {
 		if !slices.ContainsFunc(c.Selectors, func(o EndpointSelector) bool { return o.Text == s.Text }) {
 			c.Selectors = append(c.Selectors, s)
@@ -69,6 +79,10 @@ func KeepLastValid(old, new *Policy) *Policy {
 	}
 	return &c
 }
+
+// LastValid reports whether the policy, invalid, enrolls what its last
+// valid version selected.
+func (p *Policy) LastValid() bool { return len(p.LastValidSelectors) > 0 }
 
 // Key is the primary key: "cnp/NAMESPACE/NAME" or "ccnp/NAME". Enrollment
 // reasons name policies by it.
@@ -127,7 +141,7 @@ func (p *Policy) TableHeader() []string {
 func (p *Policy) TableRow() []string {
 	auth := "-"
 	switch {
-	case p.LastValid:
+	case p.LastValid():
 		auth = "required (last valid version)"
 	case p.RequiresAuthentication():
 		auth = "required"

@@ -184,9 +184,12 @@ func keepLastValid(log *slog.Logger) func(old *tables.Policy, found bool, new *t
 		p := tables.KeepLastValid(old, new)
 		switch {
 		case p.Error != "" && (old == nil || old.Error != p.Error):
-			if p.LastValid {
+			switch {
+			case p.LastValid():
 				log.Warn("Invalid policy version: still enrolling what its last valid version selected", "policy", p.Key(), "error", p.Error)
-			} else {
+			case p.RequiresAuthentication():
+				log.Warn("Invalid policy: its rules that require authentication still enroll", "policy", p.Key(), "error", p.Error)
+			default:
 				log.Warn("Invalid policy: it enrolls nothing", "policy", p.Key(), "error", p.Error)
 			}
 		case p.Error == "" && old != nil && old.Error != "":
