@@ -329,7 +329,7 @@ func reviewer(kube kubernetes.Interface, audiences []string, budget *reviewBudge
 		// An authenticator that ignores audiences (a webhook, legacy
 		// tokens) says so by naming none of ours: such a token may be
 		// meant for anyone, the pod's API token included.
-		if len(audiences) > 0 && !slices.ContainsFunc(review.Status.Audiences, func(a string) bool { return slices.Contains(audiences, a) }) {
+		if !slices.ContainsFunc(review.Status.Audiences, func(a string) bool { return slices.Contains(audiences, a) }) {
 			return Caller{}, refusal(codes.Unauthenticated, "wrong-audience", "token not valid for audiences %v (TokenReview says %v)", audiences, review.Status.Audiences)
 		}
 		parts := strings.Split(review.Status.User.Username, ":")
