@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"time"
 
@@ -50,7 +51,9 @@ type Scan struct {
 // add records that the veth iface has addr on its peer.
 func (s *Scan) add(addr netip.Addr, iface PodInterface) {
 	if names, claimed := s.Claimed[addr]; claimed {
-		s.Claimed[addr] = append(names, iface.Name)
+		if !slices.Contains(names, iface.Name) {
+			s.Claimed[addr] = append(names, iface.Name)
+		}
 		return
 	}
 	if first, ok := s.Pods[addr]; ok && first.Index != iface.Index {
