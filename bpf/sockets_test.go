@@ -4,6 +4,7 @@ package bpf_test
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"testing"
@@ -37,19 +38,32 @@ func TestAgentConnections(t *testing.T) {
 		ifindex uint32
 		agent   bpf.Entry
 		want    uint32
+		// heldBefore: the agent, its namespace known, held the
+		// connection a moment before.
+		heldBefore bool
 	}{
-		{"node ingress: reply to the agent's connection", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40000}.frame(), uplink, withNetns, actRedirect},
-		{"node ingress: reply to the agent's connection, IPv6", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote6, dst: podA6, sport: 8080, dport: 40000}.frame(), uplink, withNetns, actRedirect},
-		{"node ingress: another connection of the pod", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40001}.frame(), uplink, withNetns, actNext},
-		{"node ingress: to a port the agent listens on", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 41000, dport: 9090}.frame(), uplink, withNetns, actNext},
-		{"from pod: later packet of a connection the agent accepted", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, withNetns, actRedirect},
-		{"from pod: a connection the agent does not hold", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41001, dport: 9443}.frame(), podAIf, withNetns, actNext},
-		// Known as proxied by the case above: not the agent's, so dropped.
-		{"from pod: agent namespace unknown", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, agentNode, actShot},
-		{"node ingress: agent namespace unknown", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40000}.frame(), uplink, agentNode, actNext},
+		{"node ingress: reply to the agent's connection", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40000}.frame(), uplink, withNetns, actRedirect, false},
+		{"node ingress: reply to the agent's connection, IPv6", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote6, dst: podA6, sport: 8080, dport: 40000}.frame(), uplink, withNetns, actRedirect, false},
+		{"node ingress: another connection of the pod", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40001}.frame(), uplink, withNetns, actNext, false},
+		{"node ingress: to a port the agent listens on", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 41000, dport: 9090}.frame(), uplink, withNetns, actNext, false},
+		{"from pod: later packet of a connection the agent accepted", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, withNetns, actRedirect, false},
+		{"from pod: a connection the agent does not hold", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41001, dport: 9443}.frame(), podAIf, withNetns, actNext, false},
+		// Seen held by the agent just before: not the agent's now, so dropped.
+		{"from pod: agent namespace unknown", objs.FromPod, packet{tcpFlags: flagACK, src: podA, dst: remote, sport: 41000, dport: 9443}.frame(), podAIf, agentNode, actShot, true},
+		{"node ingress: agent namespace unknown", objs.NodeIngress, packet{tcpFlags: flagACK, src: remote, dst: podA, sport: 8080, dport: 40000}.frame(), uplink, agentNode, actNext, false},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			if c.heldBefore {
+				must(t, objs.Redirects.Update(bpf.AgentKey, withNetns))
+				must(t, node.Do(func() error {
+					got, _, err := runErr(c.prog, c.frame, c.ifindex)
+					if err == nil && got != actRedirect {
+						err = fmt.Errorf("with the agent's namespace known: verdict %d, want the agent", int32(got))
+					}
+					return err
+				}))
+			}
 			must(t, objs.Redirects.Update(bpf.AgentKey, c.agent))
 			var (
 				got uint32
