@@ -113,6 +113,9 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 				d.inherited = inheritedAttachments(d.Datapath)
 			}
 			scan, scanErr = d.Interfaces.Scan()
+			if scanErr == nil {
+				forgetInherited(d.inherited, scan)
+			}
 		}
 		// The tables count as initialized (which lets the reconcilers
 		// prune what they do not hold) only after a full scan: a pod
@@ -368,6 +371,18 @@ func noInterface(pod *tables.Pod, scan Scan, scanErr error) string {
 		msg += " (scan: " + scanErr.Error() + ")"
 	}
 	return msg
+}
+
+// forgetInherited drops the inherited links that a full scan makes moot:
+// of an address now located (its pod's own rows take over), or of an
+// interface that is gone or was replaced (its link went with it). A later
+// pod with the address is never given a stale link.
+func forgetInherited(inherited map[netip.Addr]*Attachment, scan Scan) {
+	maps.DeleteFunc(inherited, func(ip netip.Addr, a *Attachment) bool {
+		_, located := scan.Pods[ip]
+		ifindex, present := scan.Devices[a.Device]
+		return located || !present || ifindex != a.Ifindex
+	})
 }
 
 // inheritedAttachments reads the from-pod links a previous agent left and
