@@ -30,8 +30,8 @@ type packet struct {
 	// extHeaders inserts this many IPv6 option headers before L4 (a
 	// hop-by-hop header, then destination options).
 	extHeaders int
-	// authHeader inserts an IPv6 authentication header (AH) before L4,
-	// after the option headers; not with laterFragment.
+	// authHeader inserts an authentication header (AH) before L4, in
+	// IPv6 after the option headers; not with laterFragment.
 	authHeader bool
 	// laterFragment makes a fragment with a non-zero offset (no L4
 	// header); in IPv6 its fragment header names fragmentNext (default
@@ -69,8 +69,15 @@ func (p packet) frame() []byte {
 	eth := make([]byte, 14)
 	copy(eth[0:], routerMAC)
 	copy(eth[6:], podMAC)
+	// Next header, length 4 (24 bytes: the fixed 12 and a 12-byte ICV).
+	ah := make([]byte, 24)
+	ah[0], ah[1] = proto, 4
 	if p.src.Is4() {
 		binary.BigEndian.PutUint16(eth[12:], 0x0800)
+		if p.authHeader {
+			l4 = append(ah, l4...)
+			proto = protoAH
+		}
 		ip := make([]byte, 20)
 		ip[0] = 0x45
 		binary.BigEndian.PutUint16(ip[2:], uint16(20+len(l4)))
@@ -98,9 +105,6 @@ func (p packet) frame() []byte {
 		}
 	}
 	if p.authHeader {
-		// Next header, length 4 (24 bytes: the fixed 12 and a 12-byte ICV).
-		ah := make([]byte, 24)
-		ah[0], ah[1] = proto, 4
 		if len(ext) == 0 {
 			next = protoAH
 		} else {

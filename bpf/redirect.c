@@ -178,14 +178,30 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct flow *f)
 
 		if ((void *)(ip + 1) > data_end || ip->ihl < 5)
 			return PARSED_OTHER;
-		if (ip->protocol != IPPROTO_TCP)
+		if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_AH)
 			return PARSED_OTHER;
 		map_ipv4(&f->src, ip->saddr);
 		map_ipv4(&f->dst, ip->daddr);
 		f->ipv6 = 0;
-		if (ip->frag_off & bpf_htons(IP_FRAG_OFFSET_MASK))
-			return PARSED_TCP; // a later fragment: no ports
+		if (ip->frag_off & bpf_htons(IP_FRAG_OFFSET_MASK)) {
+			// A later fragment: no ports, and behind AH maybe TCP.
+			return ip->protocol == IPPROTO_TCP ? PARSED_TCP : PARSED_UNSURE;
+		}
 		l4 = (void *)ip + ip->ihl * 4;
+		if (ip->protocol == IPPROTO_AH) {
+			// An authentication header authenticates, it does not
+			// encrypt: TCP behind it is TCP in clear.
+			struct {
+				__u8 next;
+				__u8 len;
+			} *ah = l4;
+
+			if ((void *)(ah + 1) > data_end)
+				return PARSED_UNSURE;
+			if (ah->next != IPPROTO_TCP)
+				return PARSED_OTHER;
+			l4 += (ah->len + 2) * 4;
+		}
 	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr *ip6 = (void *)(eth + 1);
 		__u8 next;

@@ -130,6 +130,8 @@ func TestFromPod(t *testing.T) {
 		{"enrolled to remote, IPv6 four extension headers", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080, extHeaders: 4}.frame(), podAIf, actRedirect},
 		// The AH's length counts differently: a misread would lose the
 		// ports, and a packet without them is steered.
+		{"enrolled to remote, authentication header", packet{src: podA, dst: remote, sport: 40000, dport: 8080, authHeader: true}.frame(), podAIf, actRedirect},
+		{"enrolled to remote, authentication header, not a new connection", packet{src: podA, dst: remote, sport: 39000, dport: 8080, authHeader: true, tcpFlags: flagACK}.frame(), podAIf, actNext},
 		{"enrolled to remote, IPv6 authentication header", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080, extHeaders: 2, authHeader: true}.frame(), podAIf, actRedirect},
 		{"enrolled to remote, IPv6 authentication header, not a new connection", packet{src: podA6, dst: remote6, sport: 39000, dport: 8080, authHeader: true, tcpFlags: flagACK}.frame(), podAIf, actNext},
 		{"enrolled to remote, IPv6 too many extension headers", packet{src: podA6, dst: remote6, sport: 40000, dport: 8080, extHeaders: 5}.frame(), podAIf, actShot},
@@ -164,6 +166,7 @@ func TestFromPodFailsClosed(t *testing.T) {
 		// Destination options after the fragment header: the first
 		// fragment holds them and the TCP header, this one TCP payload.
 		{"enrolled to remote, later IPv6 fragment, options first", packet{src: podA6, dst: remote6, laterFragment: true, fragmentNext: 60}.frame(), podAIf, actShot},
+		{"enrolled to remote, later IPv4 fragment behind AH", packet{src: podA, dst: remote, laterFragment: true, proto: protoAH}.frame(), podAIf, actShot},
 		{"enrolled to remote, later IPv6 fragment, AH first", packet{src: podA6, dst: remote6, laterFragment: true, fragmentNext: protoAH}.frame(), podAIf, actShot},
 		{"enrolled to remote, not a new connection", packet{src: podA, dst: remote, sport: 40000, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actNext},
 		{"enrolled to a local pod", packet{src: podA, dst: podN, sport: 40000, dport: 8080}.frame(), podAIf, actNext},
