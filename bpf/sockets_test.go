@@ -113,17 +113,7 @@ func connectTransparent(t testing.TB, local, remote netip.AddrPort) (int, error)
 // to the agent while the agent's socket lives, and is dropped once the
 // socket is gone (the agent died), not sent on to its destination in clear.
 func TestAgentSocketGone(t *testing.T) {
-	objs := loadNode(t)
-	node, agent, withNetns := agentNamespaces(t)
-	must(t, objs.Redirects.Update(bpf.AgentKey, withNetns))
-	verdict := func(p packet) uint32 {
-		var got uint32
-		must(t, node.Do(func() (err error) {
-			got, _, err = runErr(objs.FromPod, p.frame(), podAIf)
-			return err
-		}))
-		return got
-	}
+	objs, agent, verdict := fromPodBesideAgent(t)
 	conn := packet{src: podA, dst: remote, sport: 42000, dport: 9444}
 	if got := verdict(conn); got != actRedirect {
 		t.Fatalf("the pod's SYN: verdict %d, want the agent", int32(got))
@@ -154,17 +144,7 @@ func TestAgentSocketGone(t *testing.T) {
 // plaintext connection from the same client port is the pod's own: its
 // SYN-ACK and what follows pass.
 func TestInboundTupleReused(t *testing.T) {
-	objs := loadNode(t)
-	node, agent, withNetns := agentNamespaces(t)
-	must(t, objs.Redirects.Update(bpf.AgentKey, withNetns))
-	verdict := func(p packet) uint32 {
-		var got uint32
-		must(t, node.Do(func() (err error) {
-			got, _, err = runErr(objs.FromPod, p.frame(), podAIf)
-			return err
-		}))
-		return got
-	}
+	_, agent, verdict := fromPodBesideAgent(t)
 	var fd int
 	must(t, agent.Do(func() (err error) {
 		fd, err = connectTransparent(t, netip.AddrPortFrom(remote, 43000), netip.AddrPortFrom(podA, 8443))
@@ -190,6 +170,23 @@ func TestInboundTupleReused(t *testing.T) {
 	}
 	if got := verdict(ack); got != actNext {
 		t.Fatalf("the pod's reply to a plaintext client: verdict %d, want passed", int32(got))
+	}
+}
+
+// fromPodBesideAgent loads the programs beside an agent (agentNamespaces)
+// whose namespace the map names, and returns the agent's namespace and the
+// from-pod verdict on a packet of pod A.
+func fromPodBesideAgent(t *testing.T) (*bpf.Objects, *netnstest.NS, func(packet) uint32) {
+	objs := loadNode(t)
+	node, agent, withNetns := agentNamespaces(t)
+	must(t, objs.Redirects.Update(bpf.AgentKey, withNetns))
+	return objs, agent, func(p packet) uint32 {
+		var got uint32
+		must(t, node.Do(func() (err error) {
+			got, _, err = runErr(objs.FromPod, p.frame(), podAIf)
+			return err
+		}))
+		return got
 	}
 }
 
