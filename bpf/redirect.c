@@ -94,16 +94,28 @@ struct conn_key {
 // namespace) is dropped: the pod's peer was the agent, and passing the
 // packet on would send its payload in clear to the real destination (say
 // the next request on a pooled HTTP connection). A new connection with the
-// same 4-tuple starts with a SYN (outbound) or the pod's SYN-ACK (inbound),
-// which replaces or removes the entry. LRU: the entries of closed
+// same 4-tuple starts with a SYN (outbound), which replaces the entry, or
+// with the pod's SYN-ACK, which ends an inbound entry only: the pod answers
+// a SYN on a connection it opened itself too (simultaneous open), and an
+// outbound entry never ends that way. LRU: the entries of closed
 // connections age out. Pinned, so that a restarted node agent keeps them.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 65536);
 	__type(key, struct conn_key);
-	__type(value, __u8);
+	__type(value, __u8); // enum proxied
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } proxied_map SEC(".maps");
+
+// Who opened a connection of proxied_map.
+enum proxied {
+	// The pod, through the agent; also an entry put back after LRU
+	// evicted it (the direction is not known then: the stricter one).
+	PROXIED_BY_POD = 1,
+	// The agent, to the pod, in a remote client's name: the entry was
+	// written at the pod's SYN-ACK.
+	PROXIED_BY_AGENT = 2,
+};
 
 // The parts of a packet the decisions need.
 struct flow {
@@ -378,13 +390,13 @@ int from_pod(struct __sk_buff *skb)
 	if (!f.has_ports)
 		return to ? steer(skb, to) : TC_ACT_SHOT;
 	struct conn_key conn = {};
-	__u8 one = 1;
+	__u8 by = PROXIED_BY_POD, *held;
 
 	conn_of(&f, &conn);
 	if (f.syn) {
 		if (!to)
 			return TC_ACT_SHOT;
-		bpf_map_update_elem(&proxied_map, &conn, &one, BPF_ANY);
+		bpf_map_update_elem(&proxied_map, &conn, &by, BPF_ANY);
 		return steer(skb, to);
 	}
 	// Later packets follow their connection: to the agent if it holds it;
@@ -395,20 +407,25 @@ int from_pod(struct __sk_buff *skb)
 		// Written once, at the SYN, the entry would be the first LRU
 		// evicts from a long-lived connection: the lookup marks it used,
 		// and an entry evicted all the same comes back.
-		if (!bpf_map_lookup_elem(&proxied_map, &conn))
-			bpf_map_update_elem(&proxied_map, &conn, &one, BPF_ANY);
+		if (!bpf_map_lookup_elem(&proxied_map, &conn)) {
+			if (f.synack)
+				by = PROXIED_BY_AGENT;
+			bpf_map_update_elem(&proxied_map, &conn, &by, BPF_ANY);
+		}
 		return steer(skb, to);
 	}
-	// The pod accepting a new plaintext connection: whatever the 4-tuple
-	// carried before is over. (The pod never answers a SYN on a connection
-	// it opened through the agent.)
-	if (f.synack) {
+	held = bpf_map_lookup_elem(&proxied_map, &conn);
+	if (!held)
+		return TC_ACT_UNSPEC;
+	// The pod accepting a new plaintext connection where the agent once
+	// connected to it: that connection is over. A SYN-ACK on a connection
+	// the pod opened through the agent answers a SYN from someone else
+	// (simultaneous open): never in clear.
+	if (f.synack && *held == PROXIED_BY_AGENT) {
 		bpf_map_delete_elem(&proxied_map, &conn);
 		return TC_ACT_UNSPEC;
 	}
-	if (bpf_map_lookup_elem(&proxied_map, &conn))
-		return TC_ACT_SHOT;
-	return TC_ACT_UNSPEC;
+	return TC_ACT_SHOT;
 }
 
 SEC("tcx/ingress")

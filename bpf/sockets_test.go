@@ -138,6 +138,26 @@ func TestAgentSocketGone(t *testing.T) {
 	}
 }
 
+// TestSimultaneousOpen: while the pod's SYN waits for an agent that does
+// not answer, a SYN from the destination's address makes the pod answer
+// with a SYN-ACK (simultaneous open). That connection was the agent's: the
+// SYN-ACK and what follows are dropped, not sent in clear.
+func TestSimultaneousOpen(t *testing.T) {
+	_, _, verdict := fromPodBesideAgent(t)
+	syn := packet{src: podA, dst: remote, sport: 44000, dport: 9446}
+	if got := verdict(syn); got != actRedirect {
+		t.Fatalf("the pod's SYN: verdict %d, want the agent", int32(got))
+	}
+	synAck, ack := syn, syn
+	synAck.tcpFlags, ack.tcpFlags = flagSYN|flagACK, flagACK
+	if got := verdict(synAck); got != actShot {
+		t.Fatalf("the pod's SYN-ACK to the destination: verdict %d, want dropped", int32(got))
+	}
+	if got := verdict(ack); got != actShot {
+		t.Fatalf("the pod's next packet: verdict %d, want dropped", int32(got))
+	}
+}
+
 // TestInboundTupleReused: the pod's replies on a connection the agent
 // opened to it in a remote client's name (inbound HBONE) are the agent's
 // while it holds the connection, and dropped once it is gone. A later
