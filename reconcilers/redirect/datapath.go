@@ -142,7 +142,7 @@ func (dp *bpfDatapath) load(ctx context.Context, log *slog.Logger) *loadedDatapa
 // use returns the loaded datapath, or why it cannot be used.
 func (dp *bpfDatapath) use() (*loadedDatapath, error) {
 	switch l := dp.loaded.Load(); {
-	case l == nil || (l.err == nil && l.objs == nil):
+	case l == nil:
 		return nil, fmt.Errorf("%w: not loaded yet", ErrDatapathUnavailable)
 	case l.err != nil:
 		return nil, fmt.Errorf("%w: %w", ErrDatapathUnavailable, l.err)
