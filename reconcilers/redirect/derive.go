@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"iter"
 	"log/slog"
 	"maps"
 	"net/netip"
@@ -203,6 +204,10 @@ func (d *derivation) pass(scan Scan, scanErr error, initialize bool) ([4]<-chan 
 		return nil
 	}
 	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj, attached)
+	keepSandboxesSteered(want, d.Redirects.All(wtxn), func(device string) (*Attachment, bool) {
+		a, _, ok := d.Attachments.Get(wtxn, AttachmentByDevice(device))
+		return a, ok
+	}, scan, scanErr)
 	status := reconciler.StatusPending()
 	if d.disabled {
 		// Nothing looks for interfaces, and nothing is written: every
@@ -317,6 +322,41 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 		out.attachments[dev] = a
 	}
 	return out
+}
+
+// keepSandboxesSteered keeps the enrolled entries of the previous pass
+// that no pod claims any more while the interface they located still
+// holds their address: a pod deleted from the API while it runs (a forced
+// deletion, a StatefulSet pod recreated at once) or a sandbox the kubelet
+// has not torn down yet. Until the interface goes, what runs behind it
+// stays steered and never sends in clear. The rows carry a problem, so
+// the reconcilers leave their entries and links as they are, and the
+// operator sees why. A scan that failed cannot tell that an interface
+// went: the entries stay until a scan can.
+func keepSandboxesSteered(want desiredRows, previous iter.Seq2[*Redirect, statedb.Revision],
+	attachment func(device string) (*Attachment, bool), scan Scan, scanErr error) {
+	for r := range previous {
+		if r.Kind != bpf.KindEnrolled || r.Ifindex == 0 {
+			continue // never written for an interface
+		}
+		if _, claimed := want.redirects[r.Addr]; claimed {
+			continue
+		}
+		iface, located := scan.Pods[r.Addr]
+		held := located && iface.Index == int(r.Ifindex) && iface.Name == r.Interface ||
+			!located && (scanErr != nil || slices.Contains(scan.Claimed[r.Addr], r.Interface))
+		if !held {
+			continue
+		}
+		kept := r.clone()
+		kept.Problem = fmt.Sprintf("%v: %s still holds %s; kept steered until it goes", ErrSandboxRunning, r.Interface, r.Addr)
+		want.redirects[r.Addr] = kept
+		if a, ok := attachment(r.Interface); ok && want.attachments[r.Interface] == nil {
+			a = a.clone()
+			a.Problem = kept.Problem
+			want.attachments[r.Interface] = a
+		}
+	}
 }
 
 // preferred decides between two rows for one address (two pods claiming
