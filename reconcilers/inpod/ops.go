@@ -23,6 +23,7 @@ import (
 // RulesOps writes redirections into pods' namespaces.
 type RulesOps struct {
 	target       Target
+	pods         statedb.Table[*tables.Pod]
 	cniPods      statedb.Table[*tables.CNIPod]
 	redirections statedb.Table[*Redirection]
 	log          *slog.Logger
@@ -60,10 +61,17 @@ func (o *RulesOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 // Delete implements reconciler.Operations: the pod left, or is no longer
 // enrolled. A namespace that is gone is not an error, nor is one that a
 // row of another pod asks for: its path may name another namespace now
-// (/proc/PID/ns/net once the PID is reused).
+// (/proc/PID/ns/net once the PID is reused). A pod that left the API
+// keeps its redirection: its sandbox may still run (a forced deletion)
+// and must not send in clear until it stops; the rules go with its
+// namespace.
 func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, r *Redirection) error {
 	delete(o.written, r.Pod)
 	if r.Netns == "" {
+		return nil
+	}
+	if _, _, found := o.pods.Get(txn, tables.PodByKey(r.Pod)); !found {
+		o.log.Info("Leaving the in-pod redirection: the pod left the API, its namespace goes with its sandbox", "pod", r.Pod, "netns", r.Netns)
 		return nil
 	}
 	id, err := o.target.Identify(r.Netns)
@@ -167,6 +175,7 @@ type reconcilerParams struct {
 	Params       reconciler.Params
 	Log          *slog.Logger
 	Target       Target
+	Pods         statedb.Table[*tables.Pod]
 	CNIPods      statedb.Table[*tables.CNIPod]
 	Redirections statedb.RWTable[*Redirection]
 }
@@ -188,7 +197,7 @@ func newReconciler(p reconcilerParams) (reconciler.Reconciler[*Redirection], err
 		(*Redirection).clone,
 		func(r *Redirection, s reconciler.Status) *Redirection { r.Status = s; return r },
 		func(r *Redirection) reconciler.Status { return r.Status },
-		&RulesOps{target: p.Target, cniPods: p.CNIPods, redirections: p.Redirections, log: p.Log},
+		&RulesOps{target: p.Target, pods: p.Pods, cniPods: p.CNIPods, redirections: p.Redirections, log: p.Log},
 		nil,
 		reconciler.WithName("rules"),
 		reconciler.WithPruning(pruneInterval),

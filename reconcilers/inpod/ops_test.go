@@ -28,7 +28,7 @@ import (
 // are pruned all the same.
 func TestPruneNamesWhatItCannotRead(t *testing.T) {
 	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/clean": false}, unreadable: "/run/netns/unreadable"}
-	ops, txn := pruneWorld(t, target, []string{"/run/netns/stale", "/run/netns/unreadable", "/run/netns/clean"})
+	ops, txn := pruneWorld(t, target, []string{"/run/netns/stale", "/run/netns/unreadable", "/run/netns/clean"}, nil)
 	err := ops.Prune(context.Background(), txn, ops.redirections.All(txn))
 	if err == nil || !strings.Contains(err.Error(), "netns /run/netns/unreadable: permission denied") {
 		t.Errorf("prune error %v, want one naming the unreadable namespace", err)
@@ -42,11 +42,12 @@ func TestPruneNamesWhatItCannotRead(t *testing.T) {
 // cannot read (stat fails) is named in the prune's error, once, and its
 // path is left alone; the rest is pruned, and other pods' rows are
 // removed, all the same. A removal whose namespace is gone does nothing,
-// without error.
+// without error, nor does one of a pod the API no longer shows (a forced
+// deletion: its sandbox may run on, and its rules go with its namespace).
 func TestRowsTheAgentCannotIdentify(t *testing.T) {
 	x := &Redirection{Pod: "app/x", Netns: "/proc/77/ns/net"}
-	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/y": true}, unidentified: x.Netns}
-	ops, txn := pruneWorld(t, target, []string{x.Netns, "/run/netns/stale"}, x)
+	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/y": true, "/run/netns/forced": true}, unidentified: x.Netns}
+	ops, txn := pruneWorld(t, target, []string{x.Netns, "/run/netns/stale"}, []string{"app/y", "app/gone"}, x)
 	ctx := context.Background()
 	err := ops.Prune(ctx, txn, ops.redirections.All(txn))
 	if err == nil || err.Error() != "netns /proc/77/ns/net of pod app/x: permission denied" {
@@ -58,8 +59,9 @@ func TestRowsTheAgentCannotIdentify(t *testing.T) {
 	target.removed = nil
 	must(t, ops.Delete(ctx, txn, 0, &Redirection{Pod: "app/y", Netns: "/run/netns/y"}))
 	must(t, ops.Delete(ctx, txn, 0, &Redirection{Pod: "app/gone", Netns: "/run/netns/gone"}))
+	must(t, ops.Delete(ctx, txn, 0, &Redirection{Pod: "app/forced", Netns: "/run/netns/forced"}))
 	if !slices.Equal(target.removed, []string{"/run/netns/y"}) {
-		t.Errorf("removed %v, want y's redirection only (gone's namespace is gone)", target.removed)
+		t.Errorf("removed %v, want y's redirection only (gone's namespace is gone, forced left the API)", target.removed)
 	}
 }
 
@@ -131,7 +133,7 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	apply(rowA)
 	apply(&Redirection{Pod: "app/b", Netns: pathB, IPs: []netip.Addr{b.IP4, b.IP6}})
 
-	ops, txn := pruneWorld(t, target, []string{pathA, stale}, rowA)
+	ops, txn := pruneWorld(t, target, []string{pathA, stale}, []string{"app/a", "app/old"}, rowA)
 	ctx := context.Background()
 	oldRow := &Redirection{Pod: "app/old", Netns: stale}
 
@@ -183,7 +185,7 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	own := filepath.Join(t.TempDir(), "own")
 	must(t, os.Symlink(pathA, own))
 	rowOwn := &Redirection{Pod: "app/a", Netns: own, IPs: []netip.Addr{a.IP4, a.IP6}}
-	ops, txn = pruneWorld(t, target, []string{own, stale}, rowOwn)
+	ops, txn = pruneWorld(t, target, []string{own, stale}, []string{"app/a", "app/old"}, rowOwn)
 	must(t, ops.Update(ctx, txn, 0, rowOwn))
 	must(t, os.Remove(own))
 	neitherTakesA("a's own path names nothing")
@@ -222,14 +224,22 @@ func (p *pruneTarget) Remove(path string, _ NetnsID) error {
 	return nil
 }
 
-// pruneWorld is what RulesOps reads: CNI reports of paths, and rows.
-func pruneWorld(t *testing.T, target Target, reported []string, rows ...*Redirection) (*RulesOps, statedb.ReadTxn) {
+// pruneWorld is what RulesOps reads: CNI reports of paths, the pods the
+// API shows ("namespace/name"), and rows.
+func pruneWorld(t *testing.T, target Target, reported, inAPI []string, rows ...*Redirection) (*RulesOps, statedb.ReadTxn) {
 	db := statedb.New()
+	pods, err := tables.NewPodsTable(db, tables.LocalNode{NodeName: "node-a"})
+	must(t, err)
 	cniPods, err := tables.NewCNIPodsTable(db)
 	must(t, err)
 	redirections, err := NewRedirectionsTable(db)
 	must(t, err)
-	wtxn := db.WriteTxn(cniPods, redirections)
+	wtxn := db.WriteTxn(pods, cniPods, redirections)
+	for _, key := range inAPI {
+		ns, name, _ := strings.Cut(key, "/")
+		_, _, err := pods.Insert(wtxn, &tables.Pod{Namespace: ns, Name: name})
+		must(t, err)
+	}
 	for i, path := range reported {
 		_, _, err := cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: fmt.Sprint("sandbox-", i), Pod: fmt.Sprint("app/p", i), Netns: path})
 		must(t, err)
@@ -238,5 +248,5 @@ func pruneWorld(t *testing.T, target Target, reported []string, rows ...*Redirec
 		_, _, err := redirections.Insert(wtxn, r)
 		must(t, err)
 	}
-	return &RulesOps{target: target, cniPods: cniPods, redirections: redirections, log: slog.New(slog.DiscardHandler)}, wtxn.Commit()
+	return &RulesOps{target: target, pods: pods, cniPods: cniPods, redirections: redirections, log: slog.New(slog.DiscardHandler)}, wtxn.Commit()
 }
