@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -64,12 +67,12 @@ func NewNodes(t testing.TB) (*Node, *Node) {
 		l, err := h.LinkByName(UplinkName)
 		must(t, err)
 		n.Uplink = l
-		addAddr(t, h, l, n.Addr4, 24)
-		addAddr(t, h, l, n.Addr6, 64)
 		must(t, h.LinkSetUp(l))
 	}
 	for _, n := range []*Node{a, b} {
 		waitOperUp(t, n.Netlink(t), n.Uplink)
+		addAddr(t, n.NS, n.Uplink, n.Addr4, 24)
+		addAddr(t, n.NS, n.Uplink, n.Addr6, 64)
 	}
 	route := func(from, to *Node) {
 		h := from.Netlink(t)
@@ -106,7 +109,7 @@ func newNode(t testing.TB, index int) *Node {
 	h := n.Netlink(t)
 	lo, err := h.LinkByName("lo")
 	must(t, err)
-	addAddr(t, h, lo, netip.MustParseAddr(podGW4), 32)
+	addAddr(t, n.NS, lo, netip.MustParseAddr(podGW4), 32)
 	return n
 }
 
@@ -136,7 +139,6 @@ func (n *Node) AddPod(t testing.TB, name string) *Pod {
 	must(t, err)
 	p.HostIndex = host.Attrs().Index
 	must(t, nh.LinkSetUp(host))
-	addAddr(t, nh, host, netip.MustParseAddr(podGW6), 64)
 	for _, ip := range []netip.Addr{p.IP4, p.IP6} {
 		must(t, nh.RouteAdd(&netlink.Route{Dst: hostPrefix(ip), LinkIndex: p.HostIndex, Scope: netlink.SCOPE_LINK}))
 	}
@@ -148,8 +150,9 @@ func (n *Node) AddPod(t testing.TB, name string) *Pod {
 	must(t, ph.LinkSetUp(eth0))
 	waitOperUp(t, nh, host)
 	waitOperUp(t, ph, eth0)
-	addAddr(t, ph, eth0, p.IP4, 32)
-	addAddr(t, ph, eth0, p.IP6, 128)
+	addAddr(t, n.NS, host, netip.MustParseAddr(podGW6), 64)
+	addAddr(t, p.NS, eth0, p.IP4, 32)
+	addAddr(t, p.NS, eth0, p.IP6, 128)
 	gw4 := netip.MustParseAddr(podGW4)
 	must(t, ph.RouteAdd(&netlink.Route{Dst: hostPrefix(gw4), LinkIndex: eth0.Attrs().Index, Scope: netlink.SCOPE_LINK}))
 	must(t, ph.RouteAdd(&netlink.Route{Gw: gw4.AsSlice(), LinkIndex: eth0.Attrs().Index}))
@@ -217,13 +220,48 @@ func waitOperUp(t testing.TB, h *netlink.Handle, l netlink.Link) {
 	}
 }
 
-func addAddr(t testing.TB, h *netlink.Handle, l netlink.Link, ip netip.Addr, bits int) {
+// addAddr adds ip/bits to l in ns. An IPv6 address is usable only once the
+// kernel has joined its solicited-node group: until then a neighbour
+// solicitation for it is dropped, and the first packet to it waits a second
+// for the next one. The kernel joins in its DAD work (even with NODAD), on a
+// workqueue that takes the RTNL lock, so while other tests hold that lock
+// (tearing namespaces down) the join comes late.
+func addAddr(t testing.TB, ns *NS, l netlink.Link, ip netip.Addr, bits int) {
 	t.Helper()
 	addr := &netlink.Addr{IPNet: &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(bits, ip.BitLen())}}
 	if ip.Is6() {
 		addr.Flags = unix.IFA_F_NODAD
 	}
-	must(t, wrap(h.AddrAdd(l, addr), "add %s/%d to %s", ip, bits, l.Attrs().Name))
+	must(t, wrap(ns.Netlink(t).AddrAdd(l, addr), "add %s/%d to %s", ip, bits, l.Attrs().Name))
+	if ip.Is6() {
+		waitSolicitedNodeGroup(t, ns, l, ip)
+	}
+}
+
+// waitSolicitedNodeGroup waits until /proc/net/igmp6 of ns lists the
+// solicited-node group of ip (ff02::1:ffXX:XXXX) on l.
+func waitSolicitedNodeGroup(t testing.TB, ns *NS, l netlink.Link, ip netip.Addr) {
+	t.Helper()
+	a := ip.As16()
+	group := fmt.Sprintf("ff0200000000000000000001ff%02x%02x%02x", a[13], a[14], a[15])
+	ifindex := strconv.Itoa(l.Attrs().Index)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var groups []byte
+		must(t, ns.Do(func() (err error) {
+			groups, err = os.ReadFile("/proc/thread-self/net/igmp6")
+			return err
+		}))
+		for line := range strings.Lines(string(groups)) {
+			if f := strings.Fields(line); len(f) >= 3 && f[0] == ifindex && f[2] == group {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s on %s: solicited-node group not joined after 5s", ip, l.Attrs().Name)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 func hostPrefix(ip netip.Addr) *net.IPNet {
