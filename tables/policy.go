@@ -135,7 +135,7 @@ func (p *Policy) Anchors() []string {
 }
 
 func (p *Policy) TableHeader() []string {
-	return []string{"Name", "Authentication", "Selectors", "Error"}
+	return []string{"Name", "Authentication", "Selectors", "Error", "Notes"}
 }
 
 func (p *Policy) TableRow() []string {
@@ -147,10 +147,14 @@ func (p *Policy) TableRow() []string {
 		auth = "required"
 	}
 	sels := make([]string, len(p.Selectors))
+	var notes []string
 	for i, s := range p.Selectors {
 		sels[i] = strconv.Quote(s.Text)
+		if s.Note != "" && !slices.Contains(notes, s.Note) {
+			notes = append(notes, s.Note)
+		}
 	}
-	return []string{p.Key(), auth, Dash(strings.Join(sels, " ")), Dash(p.Error)}
+	return []string{p.Key(), auth, Dash(strings.Join(sels, " ")), Dash(p.Error), Dash(strings.Join(notes, "; "))}
 }
 
 // EndpointSelector is a parsed Cilium endpointSelector.
@@ -158,6 +162,9 @@ type EndpointSelector struct {
 	// Text is the selector in Kubernetes label selector syntax, Cilium's
 	// source prefixes removed ("" selects every pod).
 	Text string `json:"text"`
+	// Note names the labels the selector asks for that no pod carries
+	// in Cilium, so that a policy enrolling nobody says why.
+	Note string `json:"note,omitempty"`
 
 	selector labels.Selector
 	// anchor is one "key=value" the selector requires, or "" when it
@@ -201,6 +208,24 @@ const (
 	clusterLabel          = ciliumLabelPrefix + ".policy.cluster"
 	namespaceLabelsPrefix = ciliumLabelPrefix + ".namespace.labels."
 )
+
+// legacyServiceAccountLabel is the service account label of other meshes'
+// selectors. Cilium never sets it: a policy written with it selects by an
+// ordinary pod label, as Cilium reads it too.
+const legacyServiceAccountLabel = "io.kubernetes.pod.serviceaccount"
+
+// labelNote says why no pod carries key in Cilium, or "".
+func labelNote(key string) string {
+	switch {
+	case key == legacyServiceAccountLabel:
+		return key + " is no label of Cilium's (the service account is " + serviceAccountLabel + ")"
+	case key == serviceAccountLabel || key == clusterLabel || strings.HasPrefix(key, namespaceLabelsPrefix):
+		return ""
+	case strings.HasPrefix(key, ciliumLabelPrefix):
+		return key + " is no label of Cilium's, and Cilium strips pods' own labels under " + ciliumLabelPrefix
+	}
+	return ""
+}
 
 func (v podLabelView) Lookup(key string) (string, bool) {
 	switch {

@@ -5,6 +5,7 @@ package tables
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -243,7 +244,23 @@ func parseEndpointSelector(ls *metav1.LabelSelector) (EndpointSelector, error) {
 	if !selectsPods {
 		return EndpointSelector{Text: "<none: selects no pod>", selector: labels.Nothing(), anchor: LabelKey("<none>", "")}, nil
 	}
-	return EndpointSelector{Text: sel.String(), selector: sel, anchor: selectorAnchor(sel)}, nil
+	return EndpointSelector{Text: sel.String(), Note: selectorNote(sel), selector: sel, anchor: selectorAnchor(sel)}, nil
+}
+
+// selectorNote names the labels a selector requires that no pod carries
+// in Cilium (see labelNote).
+func selectorNote(sel labels.Selector) string {
+	reqs, _ := sel.Requirements()
+	var notes []string
+	for _, r := range reqs {
+		if r.Operator() == selection.DoesNotExist || r.Operator() == selection.NotEquals || r.Operator() == selection.NotIn {
+			continue // holds for every pod: no surprise
+		}
+		if note := labelNote(r.Key()); note != "" && !slices.Contains(notes, note) {
+			notes = append(notes, note)
+		}
+	}
+	return strings.Join(notes, "; ")
 }
 
 // selectorAnchor picks one label every selected pod must carry, preferring
