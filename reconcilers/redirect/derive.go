@@ -7,7 +7,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"iter"
 	"log/slog"
 	"maps"
 	"net/netip"
@@ -106,6 +105,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		changed := d.Interfaces.Changed()
 		var scan Scan
 		var scanErr error
+		var left map[netip.Addr]*Attachment
 		passStart := time.Now() // what a pass costs paces the next
 		if !d.disabled {
 			if d.inherited == nil {
@@ -115,6 +115,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 			}
 			scan, scanErr = d.Interfaces.Scan()
 			if scanErr == nil {
+				left = leftBehind(d.inherited, scan)
 				forgetInherited(d.inherited, scan)
 			}
 		}
@@ -124,7 +125,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 		// a previous agent left it. A scan that keeps failing delays
 		// this for initScanGrace at most.
 		complete := scanErr == nil || time.Since(start) > initScanGrace
-		watches, problems := d.pass(scan, scanErr, complete)
+		watches, problems := d.pass(scan, scanErr, left, complete)
 		nextPass = time.Now().Add((passDuty - 1) * time.Since(passStart))
 		switch {
 		case d.disabled:
@@ -168,9 +169,11 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 	}
 }
 
-// pass recomputes the rows in one transaction. It returns the watch
-// channels of its inputs and the number of rows with a problem.
-func (d *derivation) pass(scan Scan, scanErr error, initialize bool) ([4]<-chan struct{}, int) {
+// pass recomputes the rows in one transaction; left are the entries a
+// previous agent left whose interfaces still hold their addresses. It
+// returns the watch channels of its inputs and the number of rows with a
+// problem.
+func (d *derivation) pass(scan Scan, scanErr error, left map[netip.Addr]*Attachment, initialize bool) ([4]<-chan struct{}, int) {
 	wtxn := d.DB.WriteTxn(d.Redirects, d.Attachments)
 	defer wtxn.Abort()
 	node := d.Node.NodeName
@@ -204,9 +207,22 @@ func (d *derivation) pass(scan Scan, scanErr error, initialize bool) ([4]<-chan 
 		return nil
 	}
 	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj, attached)
-	keepSandboxesSteered(want, d.Redirects.All(wtxn), func(device string) (*Attachment, bool) {
-		a, _, ok := d.Attachments.Get(wtxn, AttachmentByDevice(device))
-		return a, ok
+	previous := statedb.Collect(d.Redirects.All(wtxn))
+	for addr, a := range left {
+		// The pod is unknown: the map names none.
+		previous = append(previous, &Redirect{Addr: addr, Kind: bpf.KindEnrolled, Interface: a.Device,
+			Ifindex: uint32(a.Ifindex), MAC: scan.Pods[addr].MAC, NetnsID: bpf.NoNetns})
+	}
+	keepSandboxesSteered(want, previous, func(device string) (*Attachment, bool) {
+		if a, _, ok := d.Attachments.Get(wtxn, AttachmentByDevice(device)); ok {
+			return a, true
+		}
+		for _, a := range left {
+			if a.Device == device {
+				return a, true
+			}
+		}
+		return nil, false
 	}, scan, scanErr)
 	status := reconciler.StatusPending()
 	if d.disabled {
@@ -325,17 +341,17 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 }
 
 // keepSandboxesSteered keeps the enrolled entries of the previous pass
-// that no pod claims any more while the interface they located still
-// holds their address: a pod deleted from the API while it runs (a forced
-// deletion, a StatefulSet pod recreated at once) or a sandbox the kubelet
-// has not torn down yet. Until the interface goes, what runs behind it
-// stays steered and never sends in clear. The rows carry a problem, so
-// the reconcilers leave their entries and links as they are, and the
-// operator sees why. A scan that failed cannot tell that an interface
-// went: the entries stay until a scan can.
-func keepSandboxesSteered(want desiredRows, previous iter.Seq2[*Redirect, statedb.Revision],
+// (or that a previous agent left) that no pod claims any more while the
+// interface they located still holds their address: a pod deleted from
+// the API while it runs (a forced deletion, a StatefulSet pod recreated
+// at once) or a sandbox the kubelet has not torn down yet. Until the
+// interface goes, what runs behind it stays steered and never sends in
+// clear. The rows carry a problem, so the reconcilers leave their entries
+// and links as they are, and the operator sees why. A scan that failed
+// cannot tell that an interface went: the entries stay until a scan can.
+func keepSandboxesSteered(want desiredRows, previous []*Redirect,
 	attachment func(device string) (*Attachment, bool), scan Scan, scanErr error) {
-	for r := range previous {
+	for _, r := range previous {
 		if r.Kind != bpf.KindEnrolled || r.Ifindex == 0 {
 			continue // never written for an interface
 		}
@@ -423,6 +439,22 @@ func forgetInherited(inherited map[netip.Addr]*Attachment, scan Scan) {
 		ifindex, present := scan.Devices[a.Device]
 		return located || !present || ifindex != a.Ifindex
 	})
+}
+
+// leftBehind are the inherited links whose interface a complete scan
+// finds still holding their address, by that address. A restarted agent
+// never saw the pods that left the API meanwhile, but must not unsteer
+// their running sandboxes: keepSandboxesSteered keeps these too. Only the
+// first complete scan finds any: it forgets them afterwards, and the rows
+// kept take over.
+func leftBehind(inherited map[netip.Addr]*Attachment, scan Scan) map[netip.Addr]*Attachment {
+	left := map[netip.Addr]*Attachment{}
+	for addr, a := range inherited {
+		if iface, ok := scan.Pods[addr]; ok && iface.Index == a.Ifindex && iface.Name == a.Device {
+			left[addr] = a
+		}
+	}
+	return left
 }
 
 // inheritedAttachments reads the from-pod links a previous agent left and
