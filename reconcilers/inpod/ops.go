@@ -95,13 +95,15 @@ func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 // redirection: pods unenrolled while no agent ran, or all of them once
 // the mode is not inpod. Namespaces are compared by identity, not path: a
 // stale report's path may name an enrolled pod's namespace now. The
-// reconciler prunes only once the inpod table is initialized, which the
-// derivation does after cni-pods is.
+// namespace of a pod that left the API keeps its redirection, as in
+// Delete: its report may outlive the pod for a while. The reconciler
+// prunes only once the inpod table is initialized, which the derivation
+// does after cni-pods is.
 func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*Redirection, statedb.Revision]) error {
 	wanted := o.wanted(rows)
 	var paths []string
 	for row := range o.cniPods.All(txn) {
-		if row.Netns != "" && !slices.Contains(paths, row.Netns) {
+		if row.Netns != "" && !slices.Contains(paths, row.Netns) && o.inAPI(txn, row) {
 			paths = append(paths, row.Netns)
 		}
 	}
@@ -132,6 +134,13 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		errs = append(errs, o.target.Remove(path, id))
 	}
 	return errors.Join(errs...)
+}
+
+// inAPI reports whether the API still shows the pod whose sandbox report
+// is (and not a namesake created since).
+func (o *RulesOps) inAPI(txn statedb.ReadTxn, report *tables.CNIPod) bool {
+	pod, _, found := o.pods.Get(txn, tables.PodByKey(report.Pod))
+	return found && (report.UID == "" || pod.UID == "" || report.UID == pod.UID)
 }
 
 // wantedNetns is what the rows ask for: namespaces by identity (what

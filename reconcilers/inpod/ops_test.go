@@ -28,11 +28,23 @@ import (
 // are pruned all the same.
 func TestPruneNamesWhatItCannotRead(t *testing.T) {
 	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/clean": false}, unreadable: "/run/netns/unreadable"}
-	ops, txn := pruneWorld(t, target, []string{"/run/netns/stale", "/run/netns/unreadable", "/run/netns/clean"}, nil)
+	ops, txn := pruneWorld(t, target, []string{"/run/netns/stale", "/run/netns/unreadable", "/run/netns/clean"}, nil, nil)
 	err := ops.Prune(context.Background(), txn, ops.redirections.All(txn))
 	if err == nil || !strings.Contains(err.Error(), "netns /run/netns/unreadable: permission denied") {
 		t.Errorf("prune error %v, want one naming the unreadable namespace", err)
 	}
+	if !slices.Equal(target.removed, []string{"/run/netns/stale"}) {
+		t.Errorf("removed %v, want the stale namespace's redirection only", target.removed)
+	}
+}
+
+// TestPruneLeavesPodsThatLeft: a namespace whose report names a pod the
+// API no longer shows (deleted by force while no agent ran, its report
+// not yet dropped) keeps its redirection; it goes with the namespace.
+func TestPruneLeavesPodsThatLeft(t *testing.T) {
+	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/left": true}}
+	ops, txn := pruneWorld(t, target, []string{"/run/netns/stale"}, []string{"/run/netns/left"}, nil)
+	must(t, ops.Prune(context.Background(), txn, ops.redirections.All(txn)))
 	if !slices.Equal(target.removed, []string{"/run/netns/stale"}) {
 		t.Errorf("removed %v, want the stale namespace's redirection only", target.removed)
 	}
@@ -47,7 +59,7 @@ func TestPruneNamesWhatItCannotRead(t *testing.T) {
 func TestRowsTheAgentCannotIdentify(t *testing.T) {
 	x := &Redirection{Pod: "app/x", Netns: "/proc/77/ns/net"}
 	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/y": true, "/run/netns/forced": true}, unidentified: x.Netns}
-	ops, txn := pruneWorld(t, target, []string{x.Netns, "/run/netns/stale"}, []string{"app/y", "app/gone"}, x)
+	ops, txn := pruneWorld(t, target, []string{x.Netns, "/run/netns/stale"}, nil, []string{"app/y", "app/gone"}, x)
 	ctx := context.Background()
 	err := ops.Prune(ctx, txn, ops.redirections.All(txn))
 	if err == nil || err.Error() != "netns /proc/77/ns/net of pod app/x: permission denied" {
@@ -133,7 +145,7 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	apply(rowA)
 	apply(&Redirection{Pod: "app/b", Netns: pathB, IPs: []netip.Addr{b.IP4, b.IP6}})
 
-	ops, txn := pruneWorld(t, target, []string{pathA, stale}, []string{"app/a", "app/old"}, rowA)
+	ops, txn := pruneWorld(t, target, []string{pathA, stale}, nil, []string{"app/a", "app/old"}, rowA)
 	ctx := context.Background()
 	oldRow := &Redirection{Pod: "app/old", Netns: stale}
 
@@ -185,7 +197,7 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 	own := filepath.Join(t.TempDir(), "own")
 	must(t, os.Symlink(pathA, own))
 	rowOwn := &Redirection{Pod: "app/a", Netns: own, IPs: []netip.Addr{a.IP4, a.IP6}}
-	ops, txn = pruneWorld(t, target, []string{own, stale}, []string{"app/a", "app/old"}, rowOwn)
+	ops, txn = pruneWorld(t, target, []string{own, stale}, nil, []string{"app/a", "app/old"}, rowOwn)
 	must(t, ops.Update(ctx, txn, 0, rowOwn))
 	must(t, os.Remove(own))
 	neitherTakesA("a's own path names nothing")
@@ -224,9 +236,10 @@ func (p *pruneTarget) Remove(path string, _ NetnsID) error {
 	return nil
 }
 
-// pruneWorld is what RulesOps reads: CNI reports of paths, the pods the
-// API shows ("namespace/name"), and rows.
-func pruneWorld(t *testing.T, target Target, reported, inAPI []string, rows ...*Redirection) (*RulesOps, statedb.ReadTxn) {
+// pruneWorld is what RulesOps reads: CNI reports of paths, of pods the API
+// shows (reported) or no longer shows (left), other pods the API shows
+// ("namespace/name"), and rows.
+func pruneWorld(t *testing.T, target Target, reported, left, inAPI []string, rows ...*Redirection) (*RulesOps, statedb.ReadTxn) {
 	db := statedb.New()
 	pods, err := tables.NewPodsTable(db, tables.LocalNode{NodeName: "node-a"})
 	must(t, err)
@@ -241,7 +254,13 @@ func pruneWorld(t *testing.T, target Target, reported, inAPI []string, rows ...*
 		must(t, err)
 	}
 	for i, path := range reported {
-		_, _, err := cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: fmt.Sprint("sandbox-", i), Pod: fmt.Sprint("app/p", i), Netns: path})
+		_, _, err := pods.Insert(wtxn, &tables.Pod{Namespace: "app", Name: fmt.Sprint("p", i)})
+		must(t, err)
+		_, _, err = cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: fmt.Sprint("sandbox-", i), Pod: fmt.Sprint("app/p", i), Netns: path})
+		must(t, err)
+	}
+	for i, path := range left {
+		_, _, err := cniPods.Insert(wtxn, &tables.CNIPod{ContainerID: fmt.Sprint("left-", i), Pod: fmt.Sprint("app/left", i), Netns: path})
 		must(t, err)
 	}
 	for _, r := range rows {
