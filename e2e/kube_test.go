@@ -130,6 +130,11 @@ func (c *kubeCluster) putPod(p *bedPod) {
 	}))
 }
 
+func (c *kubeCluster) deletePod(p *bedPod) {
+	now := int64(0)
+	must(c.t, c.kube.CoreV1().Pods(p.namespace).Delete(context.Background(), p.name, metav1.DeleteOptions{GracePeriodSeconds: &now}))
+}
+
 // token asks the TokenRequest API for a token bound to the proxy's pod,
 // for the audience the agents review it with, as the kubelet projects it.
 func (c *kubeCluster) token(p *bedPod) string {

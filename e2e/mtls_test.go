@@ -209,6 +209,27 @@ func runChecks(t *testing.T, b *bed, out io.Writer) {
 		report(f)
 		expectMTLS(t, f)
 	})
+
+	step("8 a pod deleted by force while it runs stays closed", func(t *testing.T) {
+		b.cluster.deletePod(p.a2)
+		note("a2 deleted by force; its sandbox runs on")
+		// Its Workload goes; its steering stays until its veth goes: the
+		// proxy refuses a source it does not know.
+		b.eventually("node-a's proxy forgets a2", func() error {
+			d, err := na.configDump()
+			if err == nil && dumped(d, p.a2) != nil {
+				err = fmt.Errorf("a2 is still a workload")
+			}
+			return err
+		})
+		for _, v6 := range []bool{false, true} {
+			f := b.run(p.a2, p.b1, v6)
+			report(f)
+			if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
+				t.Errorf("a2 deleted, a2 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
+			}
+		}
+	})
 }
 
 // captureLeft describes what of a proxy's capture is in its pod's

@@ -673,6 +673,9 @@ type cluster interface {
 	// putPod writes a pod as it is now (creating it the first time and
 	// setting p.sb.UID to its UID).
 	putPod(p *bedPod)
+	// deletePod deletes a pod at once, as kubectl delete --force does; its
+	// sandbox runs on.
+	deletePod(p *bedPod)
 	// token returns a bearer token for the proxy pod.
 	token(p *bedPod) string
 }
@@ -724,6 +727,12 @@ metadata: {name: %s, namespace: %s, uid: %s, labels: {%s}, annotations: {%s}}
 spec: {nodeName: %s, serviceAccountName: %s}
 status: %s
 `, p.name, p.namespace, p.sb.UID, labels, annotations, p.node.name, p.serviceAccount, status))
+}
+
+func (c *folderCluster) deletePod(p *bedPod) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	must(c.t, os.Remove(filepath.Join(c.dir, fmt.Sprintf("pod-%s-%s.yaml", p.namespace, p.name))))
 }
 
 func (c *folderCluster) token(p *bedPod) string {
