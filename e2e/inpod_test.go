@@ -25,7 +25,7 @@ import (
 // the wire only as mTLS and arrives intact; a proxy that dies or stops
 // leaves the pods' connections refused, never in clear; the agent's
 // restart keeps flows; a pod enrolled and unenrolled while running gains
-// and loses its redirection.
+// and loses its redirection; a pod deleted by force keeps it.
 func TestInPodMTLS(t *testing.T) {
 	b := newBedMode(t, newFolderCluster(t), true)
 	runInPodChecks(t, b)
@@ -178,6 +178,37 @@ func runInPodChecks(t *testing.T, b *bed) {
 		f = b.run(p.a1, p.b1, false)
 		t.Log(f)
 		expectMTLS(t, f)
+	})
+
+	t.Run("8 a pod deleted by force while it runs stays closed", func(t *testing.T) {
+		b.cluster.deletePod(p.a2)
+		// The proxy is told to drop a2 (ZDS) and forgets its Workload; its
+		// redirection stays in its namespace until the namespace goes.
+		b.eventually("node-a's proxy drops a2", func() error {
+			d, err := na.configDump()
+			if err != nil {
+				return err
+			}
+			for _, pod := range d.Pods {
+				if pod.Name == p.a2.name && pod.Namespace == p.a2.namespace {
+					return fmt.Errorf("a2 is still served in its namespace")
+				}
+			}
+			if dumped(d, p.a2) != nil {
+				return fmt.Errorf("a2 is still a workload")
+			}
+			return nil
+		})
+		for _, v6 := range []bool{false, true} {
+			f := b.run(p.a2, p.b1, v6)
+			t.Log(f)
+			if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
+				t.Errorf("a2 deleted, a2 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
+			}
+		}
+		if !inPodRulesPresent(t, p.a2) {
+			t.Error("a2's redirection left its namespace when a2 left the API")
+		}
 	})
 }
 
