@@ -114,8 +114,8 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 				d.inherited = inheritedAttachments(d.Datapath)
 			}
 			scan, scanErr = d.Interfaces.Scan()
+			left = leftBehind(d.inherited, scan, scanErr)
 			if scanErr == nil {
-				left = leftBehind(d.inherited, scan)
 				forgetInherited(d.inherited, scan)
 			}
 		}
@@ -342,37 +342,54 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 
 // keepSandboxesSteered keeps the enrolled entries of the previous pass
 // (or that a previous agent left) that no pod claims any more while the
-// interface they located still holds their address: a pod deleted from
+// interface they located may still hold their address: a pod deleted from
 // the API while it runs (a forced deletion, a StatefulSet pod recreated
-// at once) or a sandbox the kubelet has not torn down yet. Until the
-// interface goes, what runs behind it stays steered and never sends in
-// clear. The rows carry a problem, so the reconcilers leave their entries
-// and links as they are, and the operator sees why. A scan that failed
-// cannot tell that an interface went: the entries stay until a scan can.
+// at once), a finished pod or an old sandbox the kubelet has not torn
+// down yet. Until the interface goes, what runs behind it stays steered
+// and never sends in clear. The rows carry a problem, so the reconcilers
+// leave their entries and links as they are, and the operator sees why.
+// They name no pod: the name may be a new pod's now, whose steering they
+// are not.
 func keepSandboxesSteered(want desiredRows, previous []*Redirect,
 	attachment func(device string) (*Attachment, bool), scan Scan, scanErr error) {
 	for _, r := range previous {
 		if r.Kind != bpf.KindEnrolled || r.Ifindex == 0 {
 			continue // never written for an interface
 		}
-		if _, claimed := want.redirects[r.Addr]; claimed {
-			continue
-		}
-		iface, located := scan.Pods[r.Addr]
-		held := located && iface.Index == int(r.Ifindex) && iface.Name == r.Interface ||
-			!located && (scanErr != nil || slices.Contains(scan.Claimed[r.Addr], r.Interface))
-		if !held {
+		if _, claimed := want.redirects[r.Addr]; claimed || !mayHold(scan, scanErr, r.Addr, r.Interface, int(r.Ifindex)) {
 			continue
 		}
 		kept := r.clone()
-		kept.Problem = fmt.Sprintf("%v: %s still holds %s; kept steered until it goes", ErrSandboxRunning, r.Interface, r.Addr)
+		kept.Pod = ""
+		if r.Pod != "" || r.Problem == "" {
+			who := "a pod this agent never saw"
+			if r.Pod != "" {
+				who = r.Pod
+			}
+			kept.Problem = fmt.Sprintf("%v: no pod claims %s any more (%s did), but %s still holds it; kept steered until it goes",
+				ErrSandboxRunning, r.Addr, who, r.Interface)
+		}
 		want.redirects[r.Addr] = kept
 		if a, ok := attachment(r.Interface); ok && want.attachments[r.Interface] == nil {
 			a = a.clone()
-			a.Problem = kept.Problem
+			a.Pod, a.Problem = "", kept.Problem
 			want.attachments[r.Interface] = a
 		}
 	}
+}
+
+// mayHold tells whether the interface (device, ifindex) may still hold
+// addr: a scan finds it there or among the address's claimants; a scan
+// that failed cannot tell, unless it listed the node's devices without
+// that one.
+func mayHold(scan Scan, scanErr error, addr netip.Addr, device string, ifindex int) bool {
+	if iface, ok := scan.Pods[addr]; ok {
+		return iface.Index == ifindex && iface.Name == device
+	}
+	if slices.Contains(scan.Claimed[addr], device) {
+		return true
+	}
+	return scanErr != nil && (len(scan.Devices) == 0 || scan.Devices[device] == ifindex)
 }
 
 // preferred decides between two rows for one address (two pods claiming
@@ -441,16 +458,17 @@ func forgetInherited(inherited map[netip.Addr]*Attachment, scan Scan) {
 	})
 }
 
-// leftBehind are the inherited links whose interface a complete scan
-// finds still holding their address, by that address. A restarted agent
-// never saw the pods that left the API meanwhile, but must not unsteer
-// their running sandboxes: keepSandboxesSteered keeps these too. Only the
-// first complete scan finds any: it forgets them afterwards, and the rows
-// kept take over.
-func leftBehind(inherited map[netip.Addr]*Attachment, scan Scan) map[netip.Addr]*Attachment {
+// leftBehind are the inherited links whose interface may still hold
+// their address (see mayHold), by that address. A restarted agent never
+// saw the pods that left the API meanwhile, but must not unsteer their
+// running sandboxes: keepSandboxesSteered keeps these too, so that they
+// are rows before the tables are initialized and pruning starts, however
+// long scans fail. The first complete scan forgets them afterwards, and
+// the rows kept take over.
+func leftBehind(inherited map[netip.Addr]*Attachment, scan Scan, scanErr error) map[netip.Addr]*Attachment {
 	left := map[netip.Addr]*Attachment{}
 	for addr, a := range inherited {
-		if iface, ok := scan.Pods[addr]; ok && iface.Index == a.Ifindex && iface.Name == a.Device {
+		if mayHold(scan, scanErr, addr, a.Device, a.Ifindex) {
 			left[addr] = a
 		}
 	}

@@ -20,9 +20,9 @@ var (
 	// ErrAmbiguousInterface: several veths have one of the pod's addresses
 	// on their peers (a pod with NET_ADMIN took another's address).
 	ErrAmbiguousInterface = errors.New("several interfaces hold the pod's address")
-	// ErrSandboxRunning: no running pod of the API has an enrolled
+	// ErrSandboxRunning: no running pod of the API claims an enrolled
 	// address any more, but the interface it was steered on still holds it.
-	ErrSandboxRunning = errors.New("the pod is gone from the API (or finished), its sandbox still runs")
+	ErrSandboxRunning = errors.New("sandbox still running")
 	// ErrNoAgent: no pod of this node carries cilium.io/redir-type=proxy,
 	// or none has an interface yet.
 	ErrNoAgent = errors.New("no mTLS agent pod on this node")
