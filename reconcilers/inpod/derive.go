@@ -123,7 +123,7 @@ func (d *derivation) step() []<-chan struct{} {
 // desired is the pure part: an enrolled pod's rows.
 func desired(txn statedb.ReadTxn, cniPods statedb.Table[*tables.CNIPod], pod *tables.Pod) (*Redirection, *nodeagent.Workload) {
 	report := newestReport(txn, cniPods, pod)
-	r := &Redirection{Pod: pod.Key(), IPs: tables.PodAddrs(txn, cniPods, pod)}
+	r := &Redirection{Pod: pod.Key(), UID: pod.UID, IPs: tables.PodAddrs(txn, cniPods, pod)}
 	w := &nodeagent.Workload{
 		Pod: pod.Key(), UID: pod.UID,
 		// Exactly the Workload's over xDS (package workload): ztunnel waits
@@ -133,7 +133,7 @@ func desired(txn statedb.ReadTxn, cniPods statedb.Table[*tables.CNIPod], pod *ta
 	if report != nil {
 		r.Netns, w.Netns = report.Netns, report.Netns
 		if w.UID == "" {
-			w.UID = report.UID
+			r.UID, w.UID = report.UID, report.UID
 		}
 	}
 	switch {

@@ -62,15 +62,15 @@ func (o *RulesOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 // enrolled. A namespace that is gone is not an error, nor is one that a
 // row of another pod asks for: its path may name another namespace now
 // (/proc/PID/ns/net once the PID is reused). A pod that left the API
-// keeps its redirection: its sandbox may still run (a forced deletion)
-// and must not send in clear until it stops; the rules go with its
-// namespace.
+// (a pod created since under its name is another) keeps its redirection:
+// its sandbox may still run (a forced deletion) and must not send in
+// clear until it stops; the rules go with its namespace.
 func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, r *Redirection) error {
 	delete(o.written, r.Pod)
 	if r.Netns == "" {
 		return nil
 	}
-	if _, _, found := o.pods.Get(txn, tables.PodByKey(r.Pod)); !found {
+	if !o.inAPI(txn, r.Pod, r.UID) {
 		o.log.Info("Leaving the in-pod redirection: the pod left the API, its namespace goes with its sandbox", "pod", r.Pod, "netns", r.Netns)
 		return nil
 	}
@@ -103,7 +103,7 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	wanted := o.wanted(rows)
 	var paths []string
 	for row := range o.cniPods.All(txn) {
-		if row.Netns != "" && !slices.Contains(paths, row.Netns) && o.inAPI(txn, row) {
+		if row.Netns != "" && !slices.Contains(paths, row.Netns) && o.inAPI(txn, row.Pod, row.UID) {
 			paths = append(paths, row.Netns)
 		}
 	}
@@ -136,11 +136,11 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	return errors.Join(errs...)
 }
 
-// inAPI reports whether the API still shows the pod whose sandbox report
-// is (and not a namesake created since).
-func (o *RulesOps) inAPI(txn statedb.ReadTxn, report *tables.CNIPod) bool {
-	pod, _, found := o.pods.Get(txn, tables.PodByKey(report.Pod))
-	return found && (report.UID == "" || pod.UID == "" || report.UID == pod.UID)
+// inAPI reports whether the API still shows the pod ("namespace/name")
+// of that UID, not a namesake created since (on any node).
+func (o *RulesOps) inAPI(txn statedb.ReadTxn, key, uid string) bool {
+	pod, _, found := o.pods.Get(txn, tables.PodByKey(key))
+	return found && (uid == "" || pod.UID == "" || uid == pod.UID)
 }
 
 // wantedNetns is what the rows ask for: namespaces by identity (what

@@ -55,11 +55,12 @@ func TestPruneLeavesPodsThatLeft(t *testing.T) {
 // path is left alone; the rest is pruned, and other pods' rows are
 // removed, all the same. A removal whose namespace is gone does nothing,
 // without error, nor does one of a pod the API no longer shows (a forced
-// deletion: its sandbox may run on, and its rules go with its namespace).
+// deletion: its sandbox may run on, and its rules go with its namespace),
+// even when a pod of its name was created since.
 func TestRowsTheAgentCannotIdentify(t *testing.T) {
 	x := &Redirection{Pod: "app/x", Netns: "/proc/77/ns/net"}
-	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/y": true, "/run/netns/forced": true}, unidentified: x.Netns}
-	ops, txn := pruneWorld(t, target, []string{x.Netns, "/run/netns/stale"}, nil, []string{"app/y", "app/gone"}, x)
+	target := &pruneTarget{present: map[string]bool{"/run/netns/stale": true, "/run/netns/y": true, "/run/netns/forced": true, "/run/netns/sts-0": true}, unidentified: x.Netns}
+	ops, txn := pruneWorld(t, target, []string{x.Netns, "/run/netns/stale"}, nil, []string{"app/y", "app/gone", "app/sts-0@uid-2"}, x)
 	ctx := context.Background()
 	err := ops.Prune(ctx, txn, ops.redirections.All(txn))
 	if err == nil || err.Error() != "netns /proc/77/ns/net of pod app/x: permission denied" {
@@ -72,8 +73,9 @@ func TestRowsTheAgentCannotIdentify(t *testing.T) {
 	must(t, ops.Delete(ctx, txn, 0, &Redirection{Pod: "app/y", Netns: "/run/netns/y"}))
 	must(t, ops.Delete(ctx, txn, 0, &Redirection{Pod: "app/gone", Netns: "/run/netns/gone"}))
 	must(t, ops.Delete(ctx, txn, 0, &Redirection{Pod: "app/forced", Netns: "/run/netns/forced"}))
+	must(t, ops.Delete(ctx, txn, 0, &Redirection{Pod: "app/sts-0", UID: "uid-1", Netns: "/run/netns/sts-0"}))
 	if !slices.Equal(target.removed, []string{"/run/netns/y"}) {
-		t.Errorf("removed %v, want y's redirection only (gone's namespace is gone, forced left the API)", target.removed)
+		t.Errorf("removed %v, want y's redirection only (gone's namespace is gone, forced left the API, sts-0 was recreated)", target.removed)
 	}
 }
 
@@ -238,7 +240,7 @@ func (p *pruneTarget) Remove(path string, _ NetnsID) error {
 
 // pruneWorld is what RulesOps reads: CNI reports of paths, of pods the API
 // shows (reported) or no longer shows (left), other pods the API shows
-// ("namespace/name"), and rows.
+// ("namespace/name", or "namespace/name@uid"), and rows.
 func pruneWorld(t *testing.T, target Target, reported, left, inAPI []string, rows ...*Redirection) (*RulesOps, statedb.ReadTxn) {
 	db := statedb.New()
 	pods, err := tables.NewPodsTable(db, tables.LocalNode{NodeName: "node-a"})
@@ -249,8 +251,9 @@ func pruneWorld(t *testing.T, target Target, reported, left, inAPI []string, row
 	must(t, err)
 	wtxn := db.WriteTxn(pods, cniPods, redirections)
 	for _, key := range inAPI {
+		key, uid, _ := strings.Cut(key, "@")
 		ns, name, _ := strings.Cut(key, "/")
-		_, _, err := pods.Insert(wtxn, &tables.Pod{Namespace: ns, Name: name})
+		_, _, err := pods.Insert(wtxn, &tables.Pod{Namespace: ns, Name: name, UID: uid})
 		must(t, err)
 	}
 	for i, path := range reported {

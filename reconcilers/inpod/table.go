@@ -20,8 +20,10 @@ const TableName = "inpod"
 // Redirection is the in-pod redirection one enrolled pod of this node
 // needs in its network namespace.
 type Redirection struct {
-	// Pod is "namespace/name".
+	// Pod is "namespace/name", UID its UID: a pod created since under that
+	// name is another pod.
 	Pod string `json:"pod"`
+	UID string `json:"uid,omitempty"`
 	// Netns is the path of the pod's network namespace, from the CNI
 	// report of its newest sandbox.
 	Netns string `json:"netns"`
@@ -36,7 +38,7 @@ type Redirection struct {
 }
 
 func (r *Redirection) sameDesire(o *Redirection) bool {
-	return r.Pod == o.Pod && r.Netns == o.Netns && slices.Equal(r.IPs, o.IPs) && r.Problem == o.Problem
+	return r.Pod == o.Pod && r.UID == o.UID && r.Netns == o.Netns && slices.Equal(r.IPs, o.IPs) && r.Problem == o.Problem
 }
 
 func (r *Redirection) clone() *Redirection { c := *r; return &c }
