@@ -169,10 +169,10 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 	}
 }
 
-// pass recomputes the rows in one transaction; left are the entries a
-// previous agent left whose interfaces still hold their addresses. It
-// returns the watch channels of its inputs and the number of rows with a
-// problem.
+// pass recomputes the rows in one transaction; left are the links a
+// previous agent left whose interfaces may still hold their addresses
+// (see leftBehind). It returns the watch channels of its inputs and the
+// number of rows with a problem.
 func (d *derivation) pass(scan Scan, scanErr error, left map[netip.Addr]*Attachment, initialize bool) ([4]<-chan struct{}, int) {
 	wtxn := d.DB.WriteTxn(d.Redirects, d.Attachments)
 	defer wtxn.Abort()
@@ -219,6 +219,13 @@ func (d *derivation) pass(scan Scan, scanErr error, left map[netip.Addr]*Attachm
 		}
 		for _, a := range left {
 			if a.Device == device {
+				return a, true
+			}
+		}
+		return nil, false
+	}, func(pod string) (*Attachment, bool) {
+		for a := range d.Attachments.List(wtxn, AttachmentsByPod(pod)) {
+			if a.Hook == bpf.HookFromPod && a.Ifindex != 0 {
 				return a, true
 			}
 		}
@@ -350,30 +357,41 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 // leave their entries and links as they are, and the operator sees why.
 // They name no pod: the name may be a new pod's now, whose steering they
 // are not.
-func keepSandboxesSteered(want desiredRows, previous []*Redirect,
-	attachment func(device string) (*Attachment, bool), scan Scan, scanErr error) {
+func keepSandboxesSteered(want desiredRows, previous []*Redirect, attachment func(device string) (*Attachment, bool),
+	podAttachment func(pod string) (*Attachment, bool), scan Scan, scanErr error) {
 	for _, r := range previous {
-		if r.Kind != bpf.KindEnrolled || r.Ifindex == 0 {
-			continue // never written for an interface
+		if r.Kind != bpf.KindEnrolled {
+			continue
 		}
-		if _, claimed := want.redirects[r.Addr]; claimed || !mayHold(scan, scanErr, r.Addr, r.Interface, int(r.Ifindex)) {
+		device, ifindex := r.Interface, int(r.Ifindex)
+		if ifindex == 0 && r.Pod != "" {
+			// Not located in the last pass (its scan failed): the link
+			// its pod kept says where it was.
+			if a, ok := podAttachment(r.Pod); ok {
+				device, ifindex = a.Device, a.Ifindex
+			}
+		}
+		if ifindex == 0 {
+			continue // never steered on an interface
+		}
+		if _, claimed := want.redirects[r.Addr]; claimed || !mayHold(scan, scanErr, r.Addr, device, ifindex) {
 			continue
 		}
 		kept := r.clone()
-		kept.Pod = ""
+		kept.Pod, kept.Interface, kept.Ifindex = "", device, uint32(ifindex)
 		if r.Pod != "" || r.Problem == "" {
 			who := "a pod this agent never saw"
 			if r.Pod != "" {
 				who = r.Pod
 			}
 			kept.Problem = fmt.Sprintf("%v: no pod claims %s any more (%s did), but %s still holds it; kept steered until it goes",
-				ErrSandboxRunning, r.Addr, who, r.Interface)
+				ErrSandboxRunning, r.Addr, who, device)
 		}
 		want.redirects[r.Addr] = kept
-		if a, ok := attachment(r.Interface); ok && want.attachments[r.Interface] == nil {
+		if a, ok := attachment(device); ok && want.attachments[device] == nil {
 			a = a.clone()
 			a.Pod, a.Problem = "", kept.Problem
-			want.attachments[r.Interface] = a
+			want.attachments[device] = a
 		}
 	}
 }
