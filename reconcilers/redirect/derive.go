@@ -356,7 +356,7 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 // and never sends in clear. The rows carry a problem, so the reconcilers
 // leave their entries and links as they are, and the operator sees why.
 // They name no pod: the name may be a new pod's now, whose steering they
-// are not.
+// are not; FormerPod says whose they were.
 func keepSandboxesSteered(want desiredRows, previous []*Redirect, attachment func(device string) (*Attachment, bool),
 	podAttachment func(pod string) (*Attachment, bool), scan Scan, scanErr error) {
 	for _, r := range previous {
@@ -378,7 +378,7 @@ func keepSandboxesSteered(want desiredRows, previous []*Redirect, attachment fun
 			continue
 		}
 		kept := r.clone()
-		kept.Pod, kept.Interface, kept.Ifindex = "", device, uint32(ifindex)
+		kept.Pod, kept.FormerPod, kept.Interface, kept.Ifindex = "", cmp.Or(r.Pod, r.FormerPod), device, uint32(ifindex)
 		if r.Pod != "" || r.Problem == "" {
 			who := "a pod this agent never saw"
 			if r.Pod != "" {
@@ -390,7 +390,7 @@ func keepSandboxesSteered(want desiredRows, previous []*Redirect, attachment fun
 		want.redirects[r.Addr] = kept
 		if a, ok := attachment(device); ok && want.attachments[device] == nil {
 			a = a.clone()
-			a.Pod, a.Problem = "", kept.Problem
+			a.Pod, a.FormerPod, a.Problem = "", kept.FormerPod, kept.Problem
 			want.attachments[device] = a
 		}
 	}

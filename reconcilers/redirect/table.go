@@ -3,6 +3,7 @@
 package redirect
 
 import (
+	"cmp"
 	"encoding/json"
 	"net"
 	"net/netip"
@@ -35,6 +36,10 @@ type Redirect struct {
 	// Pod is the "namespace/name" of the pod the address belongs to; empty
 	// for the node's own addresses.
 	Pod string
+	// FormerPod is, for a sandbox kept steered after its pod left the
+	// API, the pod it ran: the row names no pod (the name may be a new
+	// pod's), but `db show --pod` still finds it.
+	FormerPod string
 	// Interface, Ifindex and MAC locate the pod (agent) for kinds enrolled
 	// and agent: the host-side interface in the node's network namespace,
 	// the MAC inside the pod. NetnsID is the agent's network namespace id.
@@ -57,7 +62,7 @@ func (r *Redirect) Entry() bpf.Entry {
 
 // sameDesire compares everything but the status.
 func (r *Redirect) sameDesire(o *Redirect) bool {
-	return r.Addr == o.Addr && r.Kind == o.Kind && r.Pod == o.Pod && r.Interface == o.Interface &&
+	return r.Addr == o.Addr && r.Kind == o.Kind && r.Pod == o.Pod && r.FormerPod == o.FormerPod && r.Interface == o.Interface &&
 		r.Ifindex == o.Ifindex && r.MAC.String() == o.MAC.String() && r.NetnsID == o.NetnsID && r.Problem == o.Problem
 }
 
@@ -85,15 +90,17 @@ type Attachment struct {
 	Device  string
 	Ifindex int
 	Hook    bpf.Hook
-	// Pod is the "namespace/name" of the pod behind the device (from-pod).
-	Pod     string
-	Problem string
+	// Pod is the "namespace/name" of the pod behind the device (from-pod);
+	// FormerPod as in Redirect.
+	Pod       string
+	FormerPod string
+	Problem   string
 
 	Status reconciler.Status
 }
 
 func (a *Attachment) sameDesire(o *Attachment) bool {
-	return a.Device == o.Device && a.Ifindex == o.Ifindex && a.Hook == o.Hook && a.Pod == o.Pod && a.Problem == o.Problem
+	return a.Device == o.Device && a.Ifindex == o.Ifindex && a.Hook == o.Hook && a.Pod == o.Pod && a.FormerPod == o.FormerPod && a.Problem == o.Problem
 }
 
 func (a *Attachment) clone() *Attachment { c := *a; return &c }
@@ -172,9 +179,9 @@ func addrString(a netip.Addr) string {
 	return a.String()
 }
 
-func (r *Redirect) Scope() tables.Scope { return tables.PodScope(r.Pod, "") }
+func (r *Redirect) Scope() tables.Scope { return tables.PodScope(cmp.Or(r.Pod, r.FormerPod), "") }
 
-func (a *Attachment) Scope() tables.Scope { return tables.PodScope(a.Pod, "") }
+func (a *Attachment) Scope() tables.Scope { return tables.PodScope(cmp.Or(a.Pod, a.FormerPod), "") }
 
 // MarshalJSON shows a row as the table does, in the names every table uses.
 func (r *Redirect) MarshalJSON() ([]byte, error) {
@@ -186,23 +193,25 @@ func (r *Redirect) MarshalJSON() ([]byte, error) {
 		Addr      string            `json:"addr"`
 		Kind      string            `json:"kind"`
 		Pod       string            `json:"pod,omitempty"`
+		FormerPod string            `json:"formerPod,omitempty"`
 		Interface string            `json:"interface,omitempty"`
 		Ifindex   uint32            `json:"ifindex,omitempty"`
 		MAC       string            `json:"mac,omitempty"`
 		NetnsID   int32             `json:"netnsID"`
 		Problem   string            `json:"problem,omitempty"`
 		Status    tables.StatusJSON `json:"status"`
-	}{addrString(r.Addr), r.Kind.String(), r.Pod, r.Interface, r.Ifindex, mac, r.NetnsID, r.Problem, tables.NewStatusJSON(r.Status)})
+	}{addrString(r.Addr), r.Kind.String(), r.Pod, r.FormerPod, r.Interface, r.Ifindex, mac, r.NetnsID, r.Problem, tables.NewStatusJSON(r.Status)})
 }
 
 // MarshalJSON shows a row as the table does, in the names every table uses.
 func (a *Attachment) MarshalJSON() ([]byte, error) {
 	return json.Marshal(struct {
-		Device  string            `json:"device"`
-		Ifindex int               `json:"ifindex,omitempty"`
-		Hook    string            `json:"hook"`
-		Pod     string            `json:"pod,omitempty"`
-		Problem string            `json:"problem,omitempty"`
-		Status  tables.StatusJSON `json:"status"`
-	}{a.Device, a.Ifindex, string(a.Hook), a.Pod, a.Problem, tables.NewStatusJSON(a.Status)})
+		Device    string            `json:"device"`
+		Ifindex   int               `json:"ifindex,omitempty"`
+		Hook      string            `json:"hook"`
+		Pod       string            `json:"pod,omitempty"`
+		FormerPod string            `json:"formerPod,omitempty"`
+		Problem   string            `json:"problem,omitempty"`
+		Status    tables.StatusJSON `json:"status"`
+	}{a.Device, a.Ifindex, string(a.Hook), a.Pod, a.FormerPod, a.Problem, tables.NewStatusJSON(a.Status)})
 }
