@@ -394,10 +394,11 @@ int from_pod(struct __sk_buff *skb)
 
 	conn_of(&f, &conn);
 	if (f.syn) {
-		if (!to)
-			return TC_ACT_SHOT;
+		// Recorded even when no agent is there to take it: the pod's
+		// SYN-ACK to a SYN from the destination (a simultaneous open)
+		// would otherwise start the connection in clear.
 		bpf_map_update_elem(&proxied_map, &conn, &by, BPF_ANY);
-		return steer(skb, to);
+		return to ? steer(skb, to) : TC_ACT_SHOT;
 	}
 	// Later packets follow their connection: to the agent if it holds it;
 	// dropped if an agent held it once; else straight on (replies to
@@ -406,10 +407,13 @@ int from_pod(struct __sk_buff *skb)
 	if (to && agent_owns(skb, &f, to)) {
 		// Written once, at the SYN, the entry would be the first LRU
 		// evicts from a long-lived connection: the lookup marks it used,
-		// and an entry evicted all the same comes back.
-		if (!bpf_map_lookup_elem(&proxied_map, &conn)) {
-			if (f.synack)
-				by = PROXIED_BY_AGENT;
+		// and an entry evicted all the same comes back. The pod's SYN-ACK
+		// says the agent opened the connection, whatever an entry of an
+		// earlier connection on the 4-tuple said.
+		if (f.synack) {
+			by = PROXIED_BY_AGENT;
+			bpf_map_update_elem(&proxied_map, &conn, &by, BPF_ANY);
+		} else if (!bpf_map_lookup_elem(&proxied_map, &conn)) {
 			bpf_map_update_elem(&proxied_map, &conn, &by, BPF_ANY);
 		}
 		return steer(skb, to);

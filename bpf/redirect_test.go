@@ -168,7 +168,9 @@ func TestFromPodFailsClosed(t *testing.T) {
 		{"enrolled to remote, later IPv6 fragment, options first", packet{src: podA6, dst: remote6, laterFragment: true, fragmentNext: 60}.frame(), podAIf, actShot},
 		{"enrolled to remote, later IPv4 fragment behind AH", packet{src: podA, dst: remote, laterFragment: true, proto: protoAH}.frame(), podAIf, actShot},
 		{"enrolled to remote, later IPv6 fragment, AH first", packet{src: podA6, dst: remote6, laterFragment: true, fragmentNext: protoAH}.frame(), podAIf, actShot},
-		{"enrolled to remote, not a new connection", packet{src: podA, dst: remote, sport: 40000, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actNext},
+		{"enrolled to remote, a connection older than the redirect", packet{src: podA, dst: remote, sport: 40010, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actNext},
+		// The 4-tuple of the SYN dropped above: not older than the redirect.
+		{"enrolled to remote, a later packet of the dropped SYN's connection", packet{src: podA, dst: remote, sport: 40000, dport: 8080, tcpFlags: flagACK}.frame(), podAIf, actShot},
 		{"enrolled to a local pod", packet{src: podA, dst: podN, sport: 40000, dport: 8080}.frame(), podAIf, actNext},
 		{"not enrolled to remote", packet{src: podN, dst: remote, sport: 40000, dport: 8080}.frame(), podNIf, actNext},
 	})

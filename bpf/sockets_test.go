@@ -139,57 +139,79 @@ func TestAgentSocketGone(t *testing.T) {
 }
 
 // TestSimultaneousOpen: while the pod's SYN waits for an agent that does
-// not answer, a SYN from the destination's address makes the pod answer
-// with a SYN-ACK (simultaneous open). That connection was the agent's: the
-// SYN-ACK and what follows are dropped, not sent in clear.
+// not answer, or that is not there at all, a SYN from the destination's
+// address makes the pod answer with a SYN-ACK (simultaneous open). That
+// connection was the agent's: the SYN-ACK and what follows are dropped,
+// not sent in clear.
 func TestSimultaneousOpen(t *testing.T) {
-	_, _, verdict := fromPodBesideAgent(t)
-	syn := packet{src: podA, dst: remote, sport: 44000, dport: 9446}
-	if got := verdict(syn); got != actRedirect {
-		t.Fatalf("the pod's SYN: verdict %d, want the agent", int32(got))
+	objs, _, verdict := fromPodBesideAgent(t)
+	opens := func(t *testing.T, syn packet, want uint32) {
+		t.Helper()
+		if got := verdict(syn); got != want {
+			t.Fatalf("the pod's SYN: verdict %d, want %d", int32(got), int32(want))
+		}
+		synAck, ack := syn, syn
+		synAck.tcpFlags, ack.tcpFlags = flagSYN|flagACK, flagACK
+		if got := verdict(synAck); got != actShot {
+			t.Fatalf("the pod's SYN-ACK to the destination: verdict %d, want dropped", int32(got))
+		}
+		if got := verdict(ack); got != actShot {
+			t.Fatalf("the pod's next packet: verdict %d, want dropped", int32(got))
+		}
 	}
-	synAck, ack := syn, syn
-	synAck.tcpFlags, ack.tcpFlags = flagSYN|flagACK, flagACK
-	if got := verdict(synAck); got != actShot {
-		t.Fatalf("the pod's SYN-ACK to the destination: verdict %d, want dropped", int32(got))
-	}
-	if got := verdict(ack); got != actShot {
-		t.Fatalf("the pod's next packet: verdict %d, want dropped", int32(got))
-	}
+	t.Run("agent silent", func(t *testing.T) {
+		opens(t, packet{src: podA, dst: remote, sport: 44000, dport: 9446}, actRedirect)
+	})
+	t.Run("no agent", func(t *testing.T) {
+		must(t, objs.Redirects.Delete(bpf.AgentKey))
+		opens(t, packet{src: podA, dst: remote, sport: 44001, dport: 9446}, actShot)
+	})
 }
 
 // TestInboundTupleReused: the pod's replies on a connection the agent
 // opened to it in a remote client's name (inbound HBONE) are the agent's
 // while it holds the connection, and dropped once it is gone. A later
 // plaintext connection from the same client port is the pod's own: its
-// SYN-ACK and what follows pass.
+// SYN-ACK and what follows pass. So also when the pod once opened a
+// connection of its own on that 4-tuple, before the agent's.
 func TestInboundTupleReused(t *testing.T) {
-	_, agent, verdict := fromPodBesideAgent(t)
-	var fd int
-	must(t, agent.Do(func() (err error) {
-		fd, err = connectTransparent(t, netip.AddrPortFrom(remote, 43000), netip.AddrPortFrom(podA, 8443))
-		return err
-	}))
-	synAck := packet{src: podA, dst: remote, sport: 8443, dport: 43000, tcpFlags: flagSYN | flagACK}
-	ack := synAck
-	ack.tcpFlags = flagACK
-	if got := verdict(synAck); got != actRedirect {
-		t.Fatalf("the pod's SYN-ACK to the agent: verdict %d, want the agent", int32(got))
-	}
-	if got := verdict(ack); got != actRedirect {
-		t.Fatalf("the pod's reply to the agent: verdict %d, want the agent", int32(got))
-	}
-	must(t, unix.Close(fd))
-	if got := verdict(ack); got != actShot {
-		t.Fatalf("the pod's reply, the agent's socket gone: verdict %d, want dropped", int32(got))
-	}
-	// The client, no longer enrolled, connects again in plaintext from the
-	// same port.
-	if got := verdict(synAck); got != actNext {
-		t.Fatalf("the pod's SYN-ACK to a plaintext client: verdict %d, want passed", int32(got))
-	}
-	if got := verdict(ack); got != actNext {
-		t.Fatalf("the pod's reply to a plaintext client: verdict %d, want passed", int32(got))
+	for _, outboundFirst := range []bool{false, true} {
+		t.Run(fmt.Sprintf("outbound first=%v", outboundFirst), func(t *testing.T) {
+			_, agent, verdict := fromPodBesideAgent(t)
+			synAck := packet{src: podA, dst: remote, sport: 8443, dport: 43000, tcpFlags: flagSYN | flagACK}
+			ack := synAck
+			ack.tcpFlags = flagACK
+			if outboundFirst {
+				syn := synAck
+				syn.tcpFlags = flagSYN
+				if got := verdict(syn); got != actRedirect {
+					t.Fatalf("the pod's own SYN: verdict %d, want the agent", int32(got))
+				}
+			}
+			var fd int
+			must(t, agent.Do(func() (err error) {
+				fd, err = connectTransparent(t, netip.AddrPortFrom(remote, 43000), netip.AddrPortFrom(podA, 8443))
+				return err
+			}))
+			if got := verdict(synAck); got != actRedirect {
+				t.Fatalf("the pod's SYN-ACK to the agent: verdict %d, want the agent", int32(got))
+			}
+			if got := verdict(ack); got != actRedirect {
+				t.Fatalf("the pod's reply to the agent: verdict %d, want the agent", int32(got))
+			}
+			must(t, unix.Close(fd))
+			if got := verdict(ack); got != actShot {
+				t.Fatalf("the pod's reply, the agent's socket gone: verdict %d, want dropped", int32(got))
+			}
+			// The client, no longer enrolled, connects again in plaintext
+			// from the same port.
+			if got := verdict(synAck); got != actNext {
+				t.Fatalf("the pod's SYN-ACK to a plaintext client: verdict %d, want passed", int32(got))
+			}
+			if got := verdict(ack); got != actNext {
+				t.Fatalf("the pod's reply to a plaintext client: verdict %d, want passed", int32(got))
+			}
+		})
 	}
 }
 
