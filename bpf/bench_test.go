@@ -19,7 +19,7 @@ import (
 // proxied_map, as every new connection does (repeating the same SYN
 // replaces the entry: an insert that also hands the replaced node back to
 // the LRU's free lists). That update is most of a redirect's cost, and all
-// of its variation from run to run (about 115 or 150 ns; 47 ns without it).
+// of its variation from run to run (115 to 155 ns; 47 ns without it).
 //
 //	go test -run '^$' -bench . ./bpf/
 func BenchmarkFromPod(b *testing.B) {

@@ -379,14 +379,8 @@ func keepSandboxesSteered(want desiredRows, previous []*Redirect, attachment fun
 		}
 		kept := r.clone()
 		kept.Pod, kept.FormerPod, kept.Interface, kept.Ifindex = "", cmp.Or(r.Pod, r.FormerPod), device, uint32(ifindex)
-		if r.Pod != "" || r.Problem == "" {
-			who := "a pod this agent never saw"
-			if r.Pod != "" {
-				who = r.Pod
-			}
-			kept.Problem = fmt.Sprintf("%v: no pod claims %s any more (%s did), but %s still holds it; kept steered until it goes",
-				ErrSandboxRunning, r.Addr, who, device)
-		}
+		kept.Problem = fmt.Sprintf("%v: no pod claims %s any more (%s did), but %s still holds it; kept steered until it goes",
+			ErrSandboxRunning, r.Addr, cmp.Or(kept.FormerPod, "a pod this agent never saw"), device)
 		want.redirects[r.Addr] = kept
 		if a, ok := attachment(device); ok && want.attachments[device] == nil {
 			a = a.clone()
@@ -481,8 +475,9 @@ func forgetInherited(inherited map[netip.Addr]*Attachment, scan Scan) {
 // saw the pods that left the API meanwhile, but must not unsteer their
 // running sandboxes: keepSandboxesSteered keeps these too, so that they
 // are rows before the tables are initialized and pruning starts, however
-// long scans fail. The first complete scan forgets them afterwards, and
-// the rows kept take over.
+// long scans fail. A complete scan that locates their address, or shows
+// their interface gone or replaced, forgets them (forgetInherited); the
+// rows kept take over.
 func leftBehind(inherited map[netip.Addr]*Attachment, scan Scan, scanErr error) map[netip.Addr]*Attachment {
 	left := map[netip.Addr]*Attachment{}
 	for addr, a := range inherited {
