@@ -152,7 +152,7 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, *stated
 	}
 	pod, _, podWatch, found := h.Pods.GetWatch(txn, tables.PodByKey(key))
 	w.Add(podWatch)
-	if !found || (req.PodUID != "" && pod.UID != "" && pod.UID != req.PodUID) {
+	if !found || !pod.MatchesUID(req.PodUID) {
 		return plugin.Answer{}, w // not in the API yet, or only its namesake
 	}
 	_, namespaces := h.Namespaces.AllWatch(txn)

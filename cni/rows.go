@@ -91,7 +91,7 @@ func registerStore(p storeParams) error {
 		var stale []*tables.CNIPod
 		for row := range p.CNIPods.All(wtxn) {
 			pod, _, ok := p.Pods.Get(wtxn, tables.PodByKey(row.Pod))
-			if !ok || (row.UID != "" && pod.UID != "" && row.UID != pod.UID) {
+			if !ok || !pod.MatchesUID(row.UID) {
 				stale = append(stale, row)
 			}
 		}
@@ -130,7 +130,7 @@ func unknownPodRows(txn statedb.ReadTxn, pods statedb.Table[*tables.Pod], cniPod
 			continue
 		}
 		pod, _, ok := pods.Get(txn, tables.PodByKey(row.Pod))
-		if !ok || (row.UID != "" && pod.UID != "" && row.UID != pod.UID) {
+		if !ok || !pod.MatchesUID(row.UID) {
 			stale = append(stale, row)
 		}
 	}

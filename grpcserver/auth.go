@@ -210,7 +210,7 @@ func (a *Authenticator) Allowed(txn statedb.ReadTxn, caller Caller) (<-chan stru
 	switch {
 	case !found:
 		return watch, refusal(codes.PermissionDenied, "unknown-pod", "pod %s is not known", caller.Key())
-	case caller.PodUID != "" && pod.UID != "" && caller.PodUID != pod.UID:
+	case !pod.MatchesUID(caller.PodUID):
 		return watch, refusal(codes.PermissionDenied, "deleted-pod", "token of pod %s (uid %s) is bound to a pod that is gone: %s is now uid %s",
 			caller.Key(), caller.PodUID, caller.Key(), pod.UID)
 	case !a.agent(pod):

@@ -104,7 +104,7 @@ func NewCNIPodsTable(db *statedb.DB) (statedb.RWTable[*CNIPod], error) {
 func PodAddrs(txn statedb.ReadTxn, cniPods statedb.Table[*CNIPod], pod *Pod) []netip.Addr {
 	var newest *CNIPod
 	for row := range cniPods.List(txn, CNIPodsByPod(pod.Key())) {
-		if len(row.IPs) == 0 || (row.UID != "" && pod.UID != "" && row.UID != pod.UID) {
+		if len(row.IPs) == 0 || !pod.MatchesUID(row.UID) {
 			continue
 		}
 		if newest == nil || row.Updated.After(newest.Updated) {

@@ -56,6 +56,10 @@ func (p *Pod) Key() string { return p.Namespace + "/" + p.Name }
 // Finished reports whether the pod has terminated for good.
 func (p *Pod) Finished() bool { return p.Phase == "Succeeded" || p.Phase == "Failed" }
 
+// MatchesUID reports whether uid may be this pod's: equal, or unknown on
+// either side. A pod created since under the same name has another UID.
+func (p *Pod) MatchesUID(uid string) bool { return uid == "" || p.UID == "" || uid == p.UID }
+
 // DefaultServiceAccount is the service account Kubernetes applies when none is set.
 const DefaultServiceAccount = "default"
 

@@ -152,7 +152,7 @@ func desired(txn statedb.ReadTxn, cniPods statedb.Table[*tables.CNIPod], pod *ta
 func newestReport(txn statedb.ReadTxn, cniPods statedb.Table[*tables.CNIPod], pod *tables.Pod) *tables.CNIPod {
 	var newest *tables.CNIPod
 	for row := range cniPods.List(txn, tables.CNIPodsByPod(pod.Key())) {
-		if row.Netns == "" || (row.UID != "" && pod.UID != "" && row.UID != pod.UID) {
+		if row.Netns == "" || !pod.MatchesUID(row.UID) {
 			continue
 		}
 		if newest == nil || row.Updated.After(newest.Updated) {

@@ -140,7 +140,7 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 // of that UID, not a namesake created since (on any node).
 func (o *RulesOps) inAPI(txn statedb.ReadTxn, key, uid string) bool {
 	pod, _, found := o.pods.Get(txn, tables.PodByKey(key))
-	return found && (uid == "" || pod.UID == "" || uid == pod.UID)
+	return found && pod.MatchesUID(uid)
 }
 
 // wantedNetns is what the rows ask for: namespaces by identity (what
