@@ -199,16 +199,25 @@ func runInPodChecks(t *testing.T, b *bed) {
 			}
 			return nil
 		})
-		for _, v6 := range []bool{false, true} {
-			f := b.run(p.a2, p.b1, v6)
-			t.Log(f)
-			if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
-				t.Errorf("a2 deleted, a2 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
+		stayedClosed := func(when string) {
+			for _, v6 := range []bool{false, true} {
+				f := b.run(p.a2, p.b1, v6)
+				t.Log(f)
+				if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
+					t.Errorf("a2 deleted%s, a2 -> b1: %v, payload visible %v, segments on the underlay %v", when, f.err, f.visible, f.plainSegments())
+				}
+			}
+			if !inPodRulesPresent(t, p.a2) {
+				t.Errorf("a2 deleted%s: its redirection left its namespace", when)
 			}
 		}
-		if !inPodRulesPresent(t, p.a2) {
-			t.Error("a2's redirection left its namespace when a2 left the API")
-		}
+		stayedClosed("")
+		// A restarted agent never saw a2, and prunes once ready: it
+		// leaves the redirection in a2's namespace.
+		na.killAgent()
+		na.startAgent()
+		na.waitAgent()
+		stayedClosed(", then node-a's agent restarted")
 	})
 }
 

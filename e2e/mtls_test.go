@@ -222,13 +222,23 @@ func runChecks(t *testing.T, b *bed, out io.Writer) {
 			}
 			return err
 		})
-		for _, v6 := range []bool{false, true} {
-			f := b.run(p.a2, p.b1, v6)
-			report(f)
-			if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
-				t.Errorf("a2 deleted, a2 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
+		refused := func(when string) {
+			for _, v6 := range []bool{false, true} {
+				f := b.run(p.a2, p.b1, v6)
+				report(f)
+				if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
+					t.Errorf("a2 deleted%s, a2 -> b1: %v, payload visible %v, segments on the underlay %v", when, f.err, f.visible, f.plainSegments())
+				}
 			}
 		}
+		refused("")
+		// A restarted agent never saw a2, and prunes once ready: it keeps
+		// the steering the previous one left while the veth is there.
+		na.killAgent()
+		na.startAgent()
+		na.waitAgent()
+		note("node-a's agent restarted (SIGKILL)")
+		refused(", then node-a's agent restarted")
 	})
 }
 
