@@ -83,6 +83,17 @@ func TestAgentConnections(t *testing.T) {
 	}
 }
 
+// agentConnects is connectTransparent in the agent's namespace.
+func agentConnects(t testing.TB, agent *netnstest.NS, local, remote netip.AddrPort) int {
+	t.Helper()
+	var fd int
+	must(t, agent.Do(func() (err error) {
+		fd, err = connectTransparent(t, local, remote)
+		return err
+	}))
+	return fd
+}
+
 // connectTransparent opens a socket bound to local, which is not an
 // address of this namespace (IP_TRANSPARENT, as an agent connecting in a
 // pod's name), and starts connecting to remote without waiting. It
@@ -119,11 +130,7 @@ func TestAgentSocketGone(t *testing.T) {
 		t.Fatalf("the pod's SYN: verdict %d, want the agent", int32(got))
 	}
 	// The agent accepts it transparently: its end is the destination.
-	var fd int
-	must(t, agent.Do(func() (err error) {
-		fd, err = connectTransparent(t, netip.AddrPortFrom(remote, 9444), netip.AddrPortFrom(podA, 42000))
-		return err
-	}))
+	fd := agentConnects(t, agent, netip.AddrPortFrom(remote, 9444), netip.AddrPortFrom(podA, 42000))
 	// LRU evicts the connection's entry, written at the SYN, while the
 	// agent holds the connection: the next packet the agent holds puts it
 	// back, or the agent's death below would let the pod's packets pass.
@@ -188,11 +195,7 @@ func TestInboundTupleReused(t *testing.T) {
 					t.Fatalf("the pod's own SYN: verdict %d, want the agent", int32(got))
 				}
 			}
-			var fd int
-			must(t, agent.Do(func() (err error) {
-				fd, err = connectTransparent(t, netip.AddrPortFrom(remote, 43000), netip.AddrPortFrom(podA, 8443))
-				return err
-			}))
+			fd := agentConnects(t, agent, netip.AddrPortFrom(remote, 43000), netip.AddrPortFrom(podA, 8443))
 			if got := verdict(synAck); got != actRedirect {
 				t.Fatalf("the pod's SYN-ACK to the agent: verdict %d, want the agent", int32(got))
 			}
