@@ -70,9 +70,10 @@ func NewNodes(t testing.TB) (*Node, *Node) {
 		must(t, h.LinkSetUp(l))
 	}
 	for _, n := range []*Node{a, b} {
-		waitOperUp(t, n.Netlink(t), n.Uplink)
-		addAddr(t, n.NS, n.Uplink, n.Addr4, 24)
-		addAddr(t, n.NS, n.Uplink, n.Addr6, 64)
+		h := n.Netlink(t)
+		waitOperUp(t, h, n.Uplink)
+		addAddr(t, n.NS, h, n.Uplink, n.Addr4, 24)
+		addAddr(t, n.NS, h, n.Uplink, n.Addr6, 64)
 	}
 	route := func(from, to *Node) {
 		h := from.Netlink(t)
@@ -109,7 +110,7 @@ func newNode(t testing.TB, index int) *Node {
 	h := n.Netlink(t)
 	lo, err := h.LinkByName("lo")
 	must(t, err)
-	addAddr(t, n.NS, lo, netip.MustParseAddr(podGW4), 32)
+	addAddr(t, n.NS, h, lo, netip.MustParseAddr(podGW4), 32)
 	return n
 }
 
@@ -150,9 +151,9 @@ func (n *Node) AddPod(t testing.TB, name string) *Pod {
 	must(t, ph.LinkSetUp(eth0))
 	waitOperUp(t, nh, host)
 	waitOperUp(t, ph, eth0)
-	addAddr(t, n.NS, host, netip.MustParseAddr(podGW6), 64)
-	addAddr(t, p.NS, eth0, p.IP4, 32)
-	addAddr(t, p.NS, eth0, p.IP6, 128)
+	addAddr(t, n.NS, nh, host, netip.MustParseAddr(podGW6), 64)
+	addAddr(t, p.NS, ph, eth0, p.IP4, 32)
+	addAddr(t, p.NS, ph, eth0, p.IP6, 128)
 	gw4 := netip.MustParseAddr(podGW4)
 	must(t, ph.RouteAdd(&netlink.Route{Dst: hostPrefix(gw4), LinkIndex: eth0.Attrs().Index, Scope: netlink.SCOPE_LINK}))
 	must(t, ph.RouteAdd(&netlink.Route{Gw: gw4.AsSlice(), LinkIndex: eth0.Attrs().Index}))
@@ -220,19 +221,19 @@ func waitOperUp(t testing.TB, h *netlink.Handle, l netlink.Link) {
 	}
 }
 
-// addAddr adds ip/bits to l in ns. An IPv6 address is usable only once the
+// addAddr adds ip/bits to l with h, ns's handle. An IPv6 address is usable only once the
 // kernel has joined its solicited-node group: until then a neighbour
 // solicitation for it is dropped, and the first packet to it waits a second
 // for the next one. The kernel joins in its DAD work (even with NODAD), on a
 // workqueue that takes the RTNL lock, so while other tests hold that lock
 // (tearing namespaces down) the join comes late.
-func addAddr(t testing.TB, ns *NS, l netlink.Link, ip netip.Addr, bits int) {
+func addAddr(t testing.TB, ns *NS, h *netlink.Handle, l netlink.Link, ip netip.Addr, bits int) {
 	t.Helper()
 	addr := &netlink.Addr{IPNet: &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(bits, ip.BitLen())}}
 	if ip.Is6() {
 		addr.Flags = unix.IFA_F_NODAD
 	}
-	must(t, wrap(ns.Netlink(t).AddrAdd(l, addr), "add %s/%d to %s", ip, bits, l.Attrs().Name))
+	must(t, wrap(h.AddrAdd(l, addr), "add %s/%d to %s", ip, bits, l.Attrs().Name))
 	if ip.Is6() {
 		waitSolicitedNodeGroup(t, ns, l, ip)
 	}
