@@ -396,8 +396,12 @@ int from_pod(struct __sk_buff *skb)
 	if (f.syn) {
 		// Recorded even when no agent is there to take it: the pod's
 		// SYN-ACK to a SYN from the destination (a simultaneous open)
-		// would otherwise start the connection in clear.
-		bpf_map_update_elem(&proxied_map, &conn, &by, BPF_ANY);
+		// would otherwise start the connection in clear. A retransmitted
+		// SYN finds its entry and leaves it (the lookup marks it used):
+		// replacing it would cycle LRU nodes through the shared free list.
+		held = bpf_map_lookup_elem(&proxied_map, &conn);
+		if (!held || *held != PROXIED_BY_POD)
+			bpf_map_update_elem(&proxied_map, &conn, &by, BPF_ANY);
 		return to ? steer(skb, to) : TC_ACT_SHOT;
 	}
 	// Later packets follow their connection: to the agent if it holds it;

@@ -149,9 +149,10 @@ func TestAgentSocketGone(t *testing.T) {
 // not answer, or that is not there at all, a SYN from the destination's
 // address makes the pod answer with a SYN-ACK (simultaneous open). That
 // connection was the agent's: the SYN-ACK and what follows are dropped,
-// not sent in clear.
+// not sent in clear. So also when the agent once opened a connection to
+// the pod on the same 4-tuple: the pod's SYN makes it the pod's.
 func TestSimultaneousOpen(t *testing.T) {
-	objs, _, verdict := fromPodBesideAgent(t)
+	objs, agent, verdict := fromPodBesideAgent(t)
 	opens := func(t *testing.T, syn packet, want uint32) {
 		t.Helper()
 		if got := verdict(syn); got != want {
@@ -168,6 +169,15 @@ func TestSimultaneousOpen(t *testing.T) {
 	}
 	t.Run("agent silent", func(t *testing.T) {
 		opens(t, packet{src: podA, dst: remote, sport: 44000, dport: 9446}, actRedirect)
+	})
+	t.Run("after the agent's connection on the 4-tuple", func(t *testing.T) {
+		syn := packet{src: podA, dst: remote, sport: 44002, dport: 9446}
+		fd := agentConnects(t, agent, netip.AddrPortFrom(remote, 9446), netip.AddrPortFrom(podA, 44002))
+		if got := verdict(packet{src: podA, dst: remote, sport: 44002, dport: 9446, tcpFlags: flagSYN | flagACK}); got != actRedirect {
+			t.Fatalf("the pod's SYN-ACK to the agent: verdict %d, want the agent", int32(got))
+		}
+		must(t, unix.Close(fd))
+		opens(t, syn, actRedirect)
 	})
 	t.Run("no agent", func(t *testing.T) {
 		must(t, objs.Redirects.Delete(bpf.AgentKey))
