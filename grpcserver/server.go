@@ -62,6 +62,12 @@ const (
 	// maxIdle closes a connection without a stream for this long: a
 	// stranger's connections, whose every stream is refused, do not stay.
 	maxIdle = 2 * time.Minute
+	// maxHeaderListBytes bounds a stream's headers, which are read whole
+	// before the caller is known (gRPC's default, 16 MiB, let a stranger
+	// make each connection hold that much with one unfinished header
+	// block). A caller sends a service account token (1-2 KiB) and a few
+	// short fields.
+	maxHeaderListBytes = 32 << 10
 )
 
 func newServer(p serverParams) (*Server, error) {
@@ -83,6 +89,7 @@ func newServer(p serverParams) (*Server, error) {
 		grpc.MaxRecvMsgSize(p.Config.GRPCMaxMessageBytes),
 		grpc.MaxSendMsgSize(p.Config.GRPCMaxMessageBytes),
 		grpc.MaxConcurrentStreams(maxConcurrentStreams),
+		grpc.MaxHeaderListSize(maxHeaderListBytes),
 		CodecOption(),
 	)
 	for _, register := range p.Services {

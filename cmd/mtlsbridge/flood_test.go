@@ -4,6 +4,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -17,12 +18,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -43,34 +47,8 @@ import (
 // 59 MB to 6 GB). The agent refuses them from their headers, never reads
 // their bodies, and keeps serving the mTLS agent.
 func TestUnauthenticatedFloodIsNotRead(t *testing.T) {
-	bin := filepath.Join(cnitest.Binaries(t), "mtlsbridge")
-	stateDir, err := os.MkdirTemp("", "mtlsb-flood-")
-	must(t, err)
-	t.Cleanup(func() { os.RemoveAll(stateDir) })
-	must(t, os.WriteFile(filepath.Join(stateDir+"-tokens"), []byte(agenttest.TokenAgentA+"\n"), 0o600))
-	t.Cleanup(func() { os.Remove(stateDir + "-tokens") })
-	addr := freeAddr(t)
-
-	logs := &syncbuf.Buffer{}
-	agent := exec.Command(bin, "agent", "--source=dir:../../testdata/demo", "--state-dir="+stateDir,
-		"--node-name=node-a", "--enable-redirect=false", "--grpc-listen="+addr, "--token-file="+stateDir+"-tokens")
-	agent.Stdout, agent.Stderr = logs, logs
-	must(t, agent.Start())
-	t.Cleanup(func() { agent.Process.Kill(); agent.Wait() })
-	conn := dialAgent(t, stateDir, addr)
-
-	// The mTLS agent is served before the flood (the tables are ready).
-	token, _, _ := strings.Cut(agenttest.TokenAgentA, " ")
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if _, err := requestCertificate(t, conn, token); err == nil {
-			break
-		} else if time.Now().After(deadline) {
-			t.Fatalf("no certificate before the flood: %v\n%s", err, logs.String())
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	before := rss(t, agent.Process.Pid, "VmRSS")
+	a := startServingAgent(t)
+	before := rss(t, a.pid, "VmRSS")
 
 	// The flood: one 15 MB request, encoded once and sent by every call.
 	body, err := proto.Marshal(&pb.IstioCertificateRequest{Csr: strings.Repeat("A", 15<<20)})
@@ -80,7 +58,7 @@ func TestUnauthenticatedFloodIsNotRead(t *testing.T) {
 	var mu sync.Mutex
 	codesSeen := map[codes.Code]int{}
 	for range 3 {
-		flood := dialAgent(t, stateDir, addr)
+		flood := dialAgent(t, a.stateDir, a.addr)
 		for range 64 {
 			wg.Go(func() {
 				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -97,14 +75,131 @@ func TestUnauthenticatedFloodIsNotRead(t *testing.T) {
 	if codesSeen[codes.Unauthenticated] != 3*64 {
 		t.Errorf("flood answered %v, want 192 Unauthenticated", codesSeen)
 	}
-	peak := rss(t, agent.Process.Pid, "VmHWM")
+	peak := rss(t, a.pid, "VmHWM")
 	t.Logf("agent RSS before the flood %d MiB, peak %d MiB", before>>20, peak>>20)
 	if grown := peak - before; grown > 64<<20 {
 		t.Errorf("the flood grew the agent's RSS by %d MiB (bodies read before refusing)", grown>>20)
 	}
-	if _, err := requestCertificate(t, conn, token); err != nil {
+	a.stillServes(t)
+}
+
+// TestHeaderFloodIsNotHeld: a stranger's connections each send one header
+// block of 12 MiB (a huge authorization value, over CONTINUATION frames)
+// and never end it. The agent reads headers whole before it can refuse
+// the caller, so it must not take that much: each connection is closed
+// within the first bytes, the agent's memory does not grow, and it keeps
+// serving the mTLS agent.
+func TestHeaderFloodIsNotHeld(t *testing.T) {
+	a := startServingAgent(t)
+	before := rss(t, a.pid, "VmRSS")
+
+	var block bytes.Buffer
+	enc := hpack.NewEncoder(&block)
+	for _, f := range []hpack.HeaderField{
+		{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "https"},
+		{Name: ":path", Value: pb.IstioCertificateService_CreateCertificate_FullMethodName},
+		{Name: ":authority", Value: a.addr}, {Name: "content-type", Value: "application/grpc"},
+		{Name: "authorization", Value: "Bearer " + strings.Repeat("A", 12<<20)},
+	} {
+		must(t, enc.WriteField(f))
+	}
+	const conns, fragment = 8, 16 << 10
+	sent := make([]int, conns)
+	var wg sync.WaitGroup
+	for i := range conns {
+		c := a.dialHTTP2(t)
+		wg.Go(func() {
+			fr := http2.NewFramer(c, c)
+			frags := slices.Collect(slices.Chunk(block.Bytes(), fragment))
+			// The last fragment, which would end the block, is never sent.
+			for j, frag := range frags[:len(frags)-1] {
+				var err error
+				if j == 0 {
+					err = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: frag})
+				} else {
+					err = fr.WriteContinuation(1, false, frag)
+				}
+				if err != nil {
+					return
+				}
+				sent[i] += len(frag)
+			}
+		})
+	}
+	wg.Wait()
+	for i, n := range sent {
+		if n > 1<<20 {
+			t.Errorf("connection %d: the agent took %d KiB of one header block without closing it", i, n>>10)
+		}
+	}
+	now := rss(t, a.pid, "VmRSS")
+	t.Logf("agent RSS before the flood %d MiB, after %d MiB", before>>20, now>>20)
+	if grown := now - before; grown > 32<<20 {
+		t.Errorf("the flood grew the agent's RSS by %d MiB (header blocks held)", grown>>20)
+	}
+	a.stillServes(t)
+}
+
+// servingAgent is an agent process serving gRPC on a loopback port, its
+// tables ready (a certificate was issued).
+type servingAgent struct {
+	stateDir, addr string
+	pid            int
+	conn           *grpc.ClientConn
+	token          string
+}
+
+func startServingAgent(t *testing.T) *servingAgent {
+	bin := filepath.Join(cnitest.Binaries(t), "mtlsbridge")
+	stateDir, err := os.MkdirTemp("", "mtlsb-flood-")
+	must(t, err)
+	t.Cleanup(func() { os.RemoveAll(stateDir) })
+	must(t, os.WriteFile(filepath.Join(stateDir+"-tokens"), []byte(agenttest.TokenAgentA+"\n"), 0o600))
+	t.Cleanup(func() { os.Remove(stateDir + "-tokens") })
+	addr := freeAddr(t)
+
+	logs := &syncbuf.Buffer{}
+	agent := exec.Command(bin, "agent", "--source=dir:../../testdata/demo", "--state-dir="+stateDir,
+		"--node-name=node-a", "--enable-redirect=false", "--grpc-listen="+addr, "--token-file="+stateDir+"-tokens")
+	agent.Stdout, agent.Stderr = logs, logs
+	must(t, agent.Start())
+	t.Cleanup(func() { agent.Process.Kill(); agent.Wait() })
+	a := &servingAgent{stateDir: stateDir, addr: addr, pid: agent.Process.Pid, conn: dialAgent(t, stateDir, addr)}
+	a.token, _, _ = strings.Cut(agenttest.TokenAgentA, " ")
+
+	// The mTLS agent is served before the flood (the tables are ready).
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, err := requestCertificate(t, a.conn, a.token); err == nil {
+			return a
+		} else if time.Now().After(deadline) {
+			t.Fatalf("no certificate before the flood: %v\n%s", err, logs.String())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func (a *servingAgent) stillServes(t *testing.T) {
+	t.Helper()
+	if _, err := requestCertificate(t, a.conn, a.token); err != nil {
 		t.Errorf("the mTLS agent is not served after the flood: %v", err)
 	}
+}
+
+// dialHTTP2 opens a TLS connection speaking HTTP/2 to the agent and sends
+// the client preface and settings, as any client would.
+func (a *servingAgent) dialHTTP2(t *testing.T) *tls.Conn {
+	bundle, err := os.ReadFile(filepath.Join(a.stateDir, "ca", "root-cert.pem"))
+	must(t, err)
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(bundle)
+	c, err := tls.Dial("tcp", a.addr, &tls.Config{RootCAs: pool, NextProtos: []string{"h2"}})
+	must(t, err)
+	t.Cleanup(func() { c.Close() })
+	_, err = c.Write([]byte(http2.ClientPreface))
+	must(t, err)
+	must(t, http2.NewFramer(c, c).WriteSettings())
+	return c
 }
 
 // sameBytes is a client codec that sends one encoded message for every
