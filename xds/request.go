@@ -43,6 +43,8 @@ type claims struct {
 	// raw is the request the claims are read from, until read (see
 	// keep).
 	raw mem.BufferSlice
+	// longest is the size of the largest entry.
+	longest int
 
 	names    []string
 	hashes   []uint64
@@ -158,6 +160,7 @@ var errMalformedRequest = errors.New("malformed DeltaDiscoveryRequest")
 //
 // More than maxNames entries are refused before any is kept: a 16 MB
 // request of empty entries would otherwise cost half a gigabyte of map.
+// So is an entry longer than a name and a version can be.
 func decodeRequest(data mem.BufferSlice, maxNames int) (request, error) {
 	req, err := decodeFields(data, maxNames)
 	if errors.Is(err, errSplitField) {
@@ -178,6 +181,7 @@ func decodeFields(data mem.BufferSlice, maxNames int) (request, error) {
 		}
 		req.initial.digest.Count++
 		req.initial.digest.Sum += workload.EntryTerm(f.value())
+		req.initial.longest = max(req.initial.longest, len(f.value()))
 		return nil
 	})
 	if err != nil {
@@ -185,6 +189,9 @@ func decodeFields(data mem.BufferSlice, maxNames int) (request, error) {
 	}
 	if n := req.initial.digest.Count; n > maxNames {
 		return request{}, status.Errorf(codes.ResourceExhausted, "%d initial_resource_versions, more than --xds-max-names=%d", n, maxNames)
+	}
+	if req.initial.longest > maxClaimBytes {
+		return request{}, status.Errorf(codes.ResourceExhausted, "an initial_resource_versions entry of %d bytes, more than %d", req.initial.longest, maxClaimBytes)
 	}
 	if req.initial.digest.Count > 0 {
 		req.initial.raw = keep(data)
@@ -195,6 +202,18 @@ func decodeFields(data mem.BufferSlice, maxNames int) (request, error) {
 	}
 	return req, nil
 }
+
+// A stream keeps the names a client subscribes to or claims; they are
+// bounded in number (--xds-max-names) and in length. Names are workload
+// uids (CLUSTER//Pod/NAMESPACE/NAME) and addresses (NETWORK/IP), a few
+// hundred bytes at most.
+const (
+	maxNameBytes = 1 << 10
+	// maxClaimBytes bounds an initial_resource_versions entry: a name, a
+	// version (16 hex digits from us; any string from a client) and their
+	// framing.
+	maxClaimBytes = 2 * maxNameBytes
+)
 
 // keep keeps a message for later: gRPC's buffers, by a reference of their
 // own, when they hold little more than the message; a copy otherwise. The

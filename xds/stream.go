@@ -299,6 +299,11 @@ func (st *stream) handle(req request) error {
 	// a name repeated within the request does.
 	newNames := 0
 	for _, name := range req.GetResourceNamesSubscribe() {
+		if len(name) > maxNameBytes {
+			st.srv.Metrics.Refused.WithLabelValues("name-too-long").Inc()
+			return status.Errorf(codes.ResourceExhausted, "%s: a resource name of %d bytes, more than %d",
+				shortType(req.GetTypeUrl()), len(name), maxNameBytes)
+		}
 		if _, held := ts.names[name]; !held {
 			newNames++
 		}
@@ -317,7 +322,7 @@ func (st *stream) handle(req request) error {
 			}
 			st.record(func(c *Client) {
 				c.Nacks++
-				c.LastNack = fmt.Sprintf("%s: %s", nonce, detail.GetMessage())
+				c.LastNack = truncate(fmt.Sprintf("%s: %s", nonce, detail.GetMessage()), 1000)
 			})
 		} else {
 			st.record(func(c *Client) { c.LastAckNonce = nonce })

@@ -764,6 +764,46 @@ func TestStreamBounds(t *testing.T) {
 	}
 }
 
+// What a stream keeps of a client's words is bounded in length too: a
+// name longer than a workload's uid or an address can be closes the
+// stream, subscribed or claimed, and a NACK's detail is kept truncated.
+func TestStreamNameBounds(t *testing.T) {
+	a := agenttest.Start(t, manifestsFrom(t, "testdata/cluster.yaml"), nil)
+	long := "app/" + strings.Repeat("x", 4<<10)
+	for _, req := range []*discovery.DeltaDiscoveryRequest{
+		{TypeUrl: xds.AddressType, Node: node, ResourceNamesSubscribe: []string{"app/web", long}},
+		{TypeUrl: xds.AddressType, Node: node, InitialResourceVersions: map[string]string{"app/web": "1", long: "1"}},
+	} {
+		z, err := connect(t, a, "tok-a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		z.send(req)
+		select {
+		case err := <-z.errs:
+			if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "bytes, more than") {
+				t.Fatalf("stream closed with %v, want ResourceExhausted naming the length", err)
+			}
+		case resp := <-z.resps:
+			t.Fatalf("a name of %d bytes answered: %v", len(long), resp.GetRemovedResources())
+		case <-time.After(10 * time.Second):
+			t.Fatal("a name of 4 KiB did not close the stream")
+		}
+	}
+
+	z, err := connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.subscribe(xds.AddressType, nil, true)
+	resp := z.recvType(xds.AddressType)
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResponseNonce: resp.Nonce,
+		ErrorDetail: status.New(codes.InvalidArgument, strings.Repeat("y", 1<<20)).Proto()})
+	waitClient(t, a, func(c *xds.Client) bool {
+		return c.Nacks == 1 && strings.HasPrefix(c.LastNack, resp.Nonce+": yyy") && len(c.LastNack) <= 1003
+	})
+}
+
 // manifestsFrom is a manifest folder holding file.
 func manifestsFrom(t *testing.T, file string) string {
 	manifests := t.TempDir()
