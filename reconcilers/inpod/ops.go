@@ -58,20 +58,21 @@ func (o *RulesOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 	return nil
 }
 
-// Delete implements reconciler.Operations: the pod left, or is no longer
-// enrolled. A namespace that is gone is not an error, nor is one that a
-// row of another pod asks for: its path may name another namespace now
-// (/proc/PID/ns/net once the PID is reused). A pod that left the API
-// (a pod created since under its name is another) keeps its redirection:
-// its sandbox may still run (a forced deletion) and must not send in
-// clear until it stops; the rules go with its namespace.
+// Delete implements reconciler.Operations: the pod left, finished, or is
+// no longer enrolled. A namespace that is gone is not an error, nor is one
+// that a row of another pod asks for: its path may name another namespace
+// now (/proc/PID/ns/net once the PID is reused). A pod that left the API
+// (a pod created since under its name is another) or finished keeps its
+// redirection: its sandbox may still run (a forced deletion; a terminal
+// phase reported before the containers stop) and must not send in clear
+// until it stops; the rules go with its namespace.
 func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, r *Redirection) error {
 	delete(o.written, r.Pod)
 	if r.Netns == "" {
 		return nil
 	}
-	if !o.inAPI(txn, r.Pod, r.UID) {
-		o.log.Info("Leaving the in-pod redirection: the pod left the API, its namespace goes with its sandbox", "pod", r.Pod, "netns", r.Netns)
+	if o.sandboxOutlives(txn, r.Pod, r.UID) {
+		o.log.Info("Leaving the in-pod redirection: the pod left the API or finished, its namespace goes with its sandbox", "pod", r.Pod, "netns", r.Netns)
 		return nil
 	}
 	id, err := o.target.Identify(r.Netns)
@@ -95,15 +96,15 @@ func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 // redirection: pods unenrolled while no agent ran, or all of them once
 // the mode is not inpod. Namespaces are compared by identity, not path: a
 // stale report's path may name an enrolled pod's namespace now. The
-// namespace of a pod that left the API keeps its redirection, as in
-// Delete: its report may outlive the pod for a while. The reconciler
+// namespace of a pod that left the API or finished keeps its
+// redirection, as in Delete: its report may outlive the pod for a while. The reconciler
 // prunes only once the inpod table is initialized, which the derivation
 // does after cni-pods is.
 func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*Redirection, statedb.Revision]) error {
 	wanted := o.wanted(rows)
 	var paths []string
 	for row := range o.cniPods.All(txn) {
-		if row.Netns != "" && !slices.Contains(paths, row.Netns) && o.inAPI(txn, row.Pod, row.UID) {
+		if row.Netns != "" && !slices.Contains(paths, row.Netns) && !o.sandboxOutlives(txn, row.Pod, row.UID) {
 			paths = append(paths, row.Netns)
 		}
 	}
@@ -136,11 +137,13 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	return errors.Join(errs...)
 }
 
-// inAPI reports whether the API still shows the pod ("namespace/name")
-// of that UID, not a namesake created since (on any node).
-func (o *RulesOps) inAPI(txn statedb.ReadTxn, key, uid string) bool {
+// sandboxOutlives reports whether the pod ("namespace/name") of that UID
+// is one whose sandbox may run on without a row: the API shows it no more
+// (a namesake created since, on any node, is another pod), or shows it
+// finished.
+func (o *RulesOps) sandboxOutlives(txn statedb.ReadTxn, key, uid string) bool {
 	pod, _, found := o.pods.Get(txn, tables.PodByKey(key))
-	return found && pod.MatchesUID(uid)
+	return !found || !pod.MatchesUID(uid) || pod.Finished()
 }
 
 // wantedNetns is what the rows ask for: namespaces by identity (what
