@@ -77,7 +77,7 @@ func installShipped(t *testing.T, cfg *rest.Config, kube kubernetes.Interface, f
 // API server: mtlsbridge's identity (kube-system/cilium with a token bound
 // to the Cilium pod of node-a) may set or remove its annotation on pods of
 // node-a and remove its taint from node-a, and nothing else that RBAC lets
-// it patch or update.
+// it patch or update; no other identity may change that annotation.
 func TestAdmissionPolicy(t *testing.T) {
 	cfg := kubetest.Start(t)
 	kubetest.ApplyCiliumCRDs(t, cfg)
@@ -225,6 +225,31 @@ func TestAdmissionPolicy(t *testing.T) {
 	// Other identities are not this policy's business.
 	allowed("an administrator relabels a pod", patchPod(kube, "web-node-b", false,
 		map[string]any{"metadata": map[string]any{"labels": map[string]any{"app": "other"}}}))
+
+	// But no other identity touches mtlsbridge's annotation: removed by a
+	// workload owner, peers would send to the pod in clear.
+	allowed("annotate a pod of its node", patchPod(agentKube, "web-node-a", false, annotate("ready")))
+	for deadline := time.Now().Add(30 * time.Second); patchPod(kube, "web-node-a", true, annotate(nil)) == nil; {
+		if time.Now().After(deadline) {
+			t.Fatal("the annotation's admission policy never took effect")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	protected := func(what string, err error) {
+		t.Helper()
+		const message = "only mtlsbridge (kube-system/cilium) may set, change or remove the annotation mtlsbridge.io/redirect"
+		if !apierrors.IsForbidden(err) && !apierrors.IsInvalid(err) {
+			t.Errorf("%s: got %v, want refused by the admission policy", what, err)
+		} else if !strings.Contains(err.Error(), "mtlsbridge-redirect-annotation") || !strings.Contains(err.Error(), message) {
+			t.Errorf("%s: refused with %q, want the policy's message %q", what, err, message)
+		}
+	}
+	protected("another identity removes the annotation", patchPod(kube, "web-node-a", false, annotate(nil)))
+	protected("another identity changes it", patchPod(kube, "web-node-a", false, annotate("no")))
+	protected("another identity sets it", patchPod(kube, "web-node-b", false, annotate("ready")))
+	allowed("another identity relabels an annotated pod", patchPod(kube, "web-node-a", false,
+		map[string]any{"metadata": map[string]any{"labels": map[string]any{"app": "other"}}}))
+	allowed("mtlsbridge removes it", patchPod(agentKube, "web-node-a", false, annotate(nil)))
 	allowed("an administrator removes the taint of node-b", updateNode(kube, "node-b", dropTaint(readyTaint)))
 
 	// The policy narrows RBAC; it grants nothing: a verb the ClusterRole

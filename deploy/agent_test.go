@@ -440,7 +440,9 @@ func (c *cluster) taintGone() error {
 func (c *cluster) reset(t *testing.T) {
 	t.Helper()
 	ctx := t.Context()
-	_, err := c.admin.CoreV1().Pods("app").Patch(ctx, "web", "application/merge-patch+json",
+	// As mtlsbridge: the admission policy keeps every other identity off
+	// its annotation.
+	_, err := kubernetes.NewForConfigOrDie(c.token).CoreV1().Pods("app").Patch(ctx, "web", "application/merge-patch+json",
 		[]byte(`{"metadata":{"annotations":{"`+redirAnnotation+`":null}}}`), metav1.PatchOptions{})
 	must(t, err)
 	n, err := c.admin.CoreV1().Nodes().Get(ctx, "node-a", metav1.GetOptions{})

@@ -70,19 +70,23 @@ func (d *derivation) step() []<-chan struct{} {
 		addrs := tables.PodAddrs(wtxn, d.CNIPods, pod)
 		switch state, _ := d.mode.Steering(wtxn, pod.Key(), steering.Sandbox{IPs: addrs}); {
 		case state == steering.Steered:
-			rows = append(rows, &ReadyAnnotation{Pod: pod.Key(), Ready: true})
+			rows = append(rows, &ReadyAnnotation{Pod: pod.Key(), Ready: true, Shown: pod.RedirectReady})
 		case state == steering.NotSteered && pod.RedirectReady:
-			rows = append(rows, &ReadyAnnotation{Pod: pod.Key(), Ready: false})
+			rows = append(rows, &ReadyAnnotation{Pod: pod.Key(), Ready: false, Shown: true})
 		case state == steering.Settling && pod.RedirectReady:
 			// Keep what is published while statuses settle (an agent
 			// restart makes every row pending once).
 			if old, _, ok := d.Table.Get(wtxn, ByPod(pod.Key())); ok {
-				rows = append(rows, old)
+				kept := old.clone()
+				kept.Shown = true
+				rows = append(rows, kept)
 			}
 		}
 	}
 	tables.Sync(wtxn, d.Table, rows, tables.SyncOptions[*ReadyAnnotation]{
-		Same:    func(old, new *ReadyAnnotation) bool { return old.Ready == new.Ready },
+		// A pod that shows otherwise than published (or published by
+		// now) is looked at again: the publisher writes only what differs.
+		Same:    func(old, new *ReadyAnnotation) bool { return old.Ready == new.Ready && old.Shown == new.Shown },
 		Prepare: func(a *ReadyAnnotation) { a.Status = reconciler.StatusPending() },
 	})
 	return append([]<-chan struct{}{podsWatch, cniPodsWatch}, d.mode.Watch(wtxn)...)

@@ -22,6 +22,10 @@ const TableName = "ready-annotations"
 type ReadyAnnotation struct {
 	Pod   string `json:"pod"`
 	Ready bool   `json:"ready"`
+	// Shown is what the pod shows now (the annotation is set). A row
+	// whose pod shows otherwise than published (someone removed the
+	// annotation) is published again.
+	Shown bool `json:"shown"`
 	// Status is that of publishing the annotation (Kubernetes mode).
 	Status reconciler.Status `json:"-"`
 }
@@ -33,16 +37,17 @@ func (r *ReadyAnnotation) MarshalJSON() ([]byte, error) {
 	return json.Marshal(struct {
 		Pod    string            `json:"pod"`
 		Ready  bool              `json:"ready"`
+		Shown  bool              `json:"shown"`
 		Status tables.StatusJSON `json:"status"`
-	}{r.Pod, r.Ready, tables.NewStatusJSON(r.Status)})
+	}{r.Pod, r.Ready, r.Shown, tables.NewStatusJSON(r.Status)})
 }
 
 func (r *ReadyAnnotation) clone() *ReadyAnnotation { c := *r; return &c }
 
-func (r *ReadyAnnotation) TableHeader() []string { return []string{"Pod", "Ready", "Status"} }
+func (r *ReadyAnnotation) TableHeader() []string { return []string{"Pod", "Ready", "Shown", "Status"} }
 
 func (r *ReadyAnnotation) TableRow() []string {
-	return []string{r.Pod, strconv.FormatBool(r.Ready), tables.StatusString(r.Status)}
+	return []string{r.Pod, strconv.FormatBool(r.Ready), strconv.FormatBool(r.Shown), tables.StatusString(r.Status)}
 }
 
 var (

@@ -9,6 +9,7 @@ import (
 	"github.com/cilium/statedb"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
@@ -17,8 +18,9 @@ import (
 
 // TestPublishReady runs the agent against a real kube-apiserver: once pod
 // a's redirection is in place, a carries mtlsbridge.io/redirect=ready
-// (and the pods table, fed back from the API, says so); pods that are not
-// redirected carry nothing; unenrolling a removes the annotation.
+// (and the pods table, fed back from the API, says so), also after
+// someone removed it; pods that are not redirected carry nothing;
+// unenrolling a removes the annotation.
 func TestPublishReady(t *testing.T) {
 	c := newCluster(t)
 	cfg := kubetest.Start(t)
@@ -69,7 +71,15 @@ func TestPublishReady(t *testing.T) {
 		t.Errorf("a -> r answered by %s", ans)
 	}
 
-	// Step 2: a is unenrolled; the annotation goes.
+	// Step 2: someone else removes a's annotation (an identity the
+	// admission policy does not stop, or a cluster without it): peers
+	// would send to a in clear. The agent puts it back.
+	patch := []byte(`{"metadata":{"annotations":{"` + tables.RedirectAnnotation + `":null}}}`)
+	_, err = kube.CoreV1().Pods("app").Patch(ctx, "a", types.MergePatchType, patch, metav1.PatchOptions{})
+	must(t, err)
+	waitAnnotation("a", tables.RedirectReadyValue)
+
+	// Step 3: a is unenrolled; the annotation goes.
 	a, err := kube.CoreV1().Pods("app").Get(ctx, "a", metav1.GetOptions{})
 	must(t, err)
 	a.Labels = nil
