@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"reflect"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -52,7 +53,7 @@ func newHandlers(p handlerParams) (handlersOut, error) {
 	if err != nil {
 		return handlersOut{}, fmt.Errorf("cni: %w", err)
 	}
-	return (&handler{p, mode}).routes(), nil
+	return (&handler{handlerParams: p, mode: mode}).routes(), nil
 }
 
 // routes are the plugin's routes on api.sock.
@@ -66,7 +67,21 @@ func (h *handler) routes() handlersOut {
 type handler struct {
 	handlerParams
 	mode steering.Mode
+
+	// mu orders reports and deletions of containers.
+	mu sync.Mutex
+	// deleted holds when a DEL came for a container, for a while: the
+	// answer to an ADD asked before it (the runtime gave up on the ADD,
+	// then deleted the sandbox) must not record the container again. A
+	// dead sandbox's report would then be its pod's newest, and the
+	// in-pod mode would ask for the redirection there rather than in the
+	// live sandbox.
+	deleted map[string]time.Time
 }
+
+// deletedMemory is how long a deletion is remembered: longer than any
+// answer is held (plugin.MaxWait).
+const deletedMemory = time.Minute
 
 // ask answers the plugin's question for one container of a pod, holding
 // the answer (up to ?wait=) until it is final. The row of the container in
@@ -108,7 +123,7 @@ func (h *handler) ask(w http.ResponseWriter, r *http.Request) {
 		var watches *statedb.WatchSet
 		ans, watches = h.decide(key, req)
 		if first && !ans.Final() {
-			h.record(key, req, ans) // operators see who is waiting
+			h.record(key, req, ans, start) // operators see who is waiting
 		}
 		first = false
 		if ans.Final() {
@@ -121,7 +136,7 @@ func (h *handler) ask(w http.ResponseWriter, r *http.Request) {
 			break // waited long enough: the answer is the last one
 		}
 	}
-	h.record(key, req, ans)
+	h.record(key, req, ans, start)
 	h.Metrics.answers.WithLabelValues(answerLabel(ans)).Observe(time.Since(start).Seconds())
 	h.Log.Info("CNI pod start", "pod", key, "container", req.ContainerID, "ips", req.IPs,
 		"enrolled", ans.Enrolled, "reason", ans.Reason, "redirect", ans.Redirect, "known", ans.Known,
@@ -190,7 +205,14 @@ func (h *handler) decide(key string, req plugin.Request) (plugin.Answer, *stated
 	return ans, w
 }
 
-func (h *handler) record(key string, req plugin.Request, ans plugin.Answer) {
+// record keeps the answer to a question asked at asked, unless the
+// container was deleted since.
+func (h *handler) record(key string, req plugin.Request, ans plugin.Answer, asked time.Time) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if at, ok := h.deleted[req.ContainerID]; ok && !at.Before(asked) {
+		return
+	}
 	state := tables.CNIStateWaiting
 	if ans.Final() {
 		state = tables.CNIStateAllowed
@@ -246,6 +268,18 @@ func (h *handler) forget(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusNoContent) // never stored
 		return
 	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	now := time.Now()
+	if h.deleted == nil {
+		h.deleted = map[string]time.Time{}
+	}
+	for other, at := range h.deleted {
+		if now.Sub(at) > deletedMemory {
+			delete(h.deleted, other)
+		}
+	}
+	h.deleted[id] = now
 	wtxn := h.DB.WriteTxn(h.CNIPods)
 	if old, _, ok := h.CNIPods.Get(wtxn, tables.CNIPodByContainer(id)); ok {
 		h.CNIPods.Delete(wtxn, old)

@@ -94,7 +94,7 @@ func FuzzAPIRequests(f *testing.F) {
 
 // fuzzHandler serves the CNI routes from tables with two pods, one
 // enrolled by its label (its redirect never done) and one not.
-func fuzzHandler(f *testing.F) (*http.ServeMux, *handler) {
+func fuzzHandler(f testing.TB) (*http.ServeMux, *handler) {
 	db := statedb.New()
 	must := func(err error) {
 		if err != nil {
@@ -116,12 +116,12 @@ func fuzzHandler(f *testing.F) (*http.ServeMux, *handler) {
 	pods.Insert(wtxn, &tables.Pod{Namespace: "app", Name: "plain", NodeName: "node-a", IPs: []netip.Addr{netip.MustParseAddr("10.0.1.11")}})
 	wtxn.Commit()
 
-	h := &handler{handlerParams{
+	h := &handler{handlerParams: handlerParams{
 		Log: slog.New(slog.DiscardHandler), DB: db,
 		Enrollment: enrollment.Config{TrustDomain: "cluster.local", ExcludedNamespaces: []string{"kube-system"}},
 		Pods:       pods, Namespaces: namespaces, Policies: policies, CNIPods: cniPods,
 		Store: newStore(f.TempDir()), Metrics: newMetrics(prometheus.NewRegistry()),
-	}, settlingMode{}}
+	}, mode: settlingMode{}}
 	mux := http.NewServeMux()
 	routes := h.routes()
 	for _, route := range []api.Handler{routes.Ask, routes.Forget} {
