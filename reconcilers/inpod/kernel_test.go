@@ -140,7 +140,8 @@ func startAgent(t *testing.T, manifests string, report *tables.CNIPod, flags ...
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
 		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, readiness.Cell, workload.Cell,
-		cell.Provide(func() steering.ModeOut { return steering.ModeOut{Mode: noL2{}} }),
+		// In the l2 mode, every pod is steered at once.
+		cell.Provide(func() steering.ModeOut { return steering.ModeOut{Mode: &fakeL2{all: true}} }),
 		inpod.Cell,
 		cell.Invoke(func(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], m steering.Modes) {
 			ag.db, ag.modes = db, m

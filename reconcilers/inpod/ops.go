@@ -17,6 +17,8 @@ import (
 	"github.com/cilium/statedb/reconciler"
 	"golang.org/x/time/rate"
 
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -26,7 +28,11 @@ type RulesOps struct {
 	pods         statedb.Table[*tables.Pod]
 	cniPods      statedb.Table[*tables.CNIPod]
 	redirections statedb.Table[*Redirection]
-	log          *slog.Logger
+	enrollments  statedb.Table[*enrollment.Enrollment]
+	// active is the mode --redirect-mode names: in another than this one,
+	// an enrolled pod keeps its redirection until that mode steers it.
+	active steering.Mode
+	log    *slog.Logger
 	// written is the namespace each pod's redirection was last written
 	// into, checked to hold the pod's addresses: a row still asks for it
 	// while its path names nothing (a /proc/PID path whose process died
@@ -104,7 +110,8 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	wanted := o.wanted(rows)
 	var paths []string
 	for row := range o.cniPods.All(txn) {
-		if row.Netns != "" && !slices.Contains(paths, row.Netns) && !o.sandboxOutlives(txn, row.Pod, row.UID) {
+		if row.Netns != "" && !slices.Contains(paths, row.Netns) && !o.sandboxOutlives(txn, row.Pod, row.UID) &&
+			!o.awaitsOtherMode(txn, row) {
 			paths = append(paths, row.Netns)
 		}
 	}
@@ -144,6 +151,23 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 func (o *RulesOps) sandboxOutlives(txn statedb.ReadTxn, key, uid string) bool {
 	pod, _, found := o.pods.Get(txn, tables.PodByKey(key))
 	return !found || !pod.MatchesUID(uid) || pod.Finished()
+}
+
+// awaitsOtherMode reports whether the sandbox of the report is an
+// enrolled pod's that the active mode, another than this one (the node
+// switched to l2), does not steer yet: removed now, its redirection would
+// leave the pod sending in clear until that mode steers it. A later prune
+// removes it.
+func (o *RulesOps) awaitsOtherMode(txn statedb.ReadTxn, report *tables.CNIPod) bool {
+	if o.active == nil || o.active.Name() == steering.ModeInPod {
+		return false
+	}
+	e, _, ok := o.enrollments.Get(txn, enrollment.ByKey(report.Pod))
+	if !ok || !e.Enrolled || e.MTLSAgent {
+		return false
+	}
+	s, _ := o.active.Steering(txn, report.Pod, steering.Sandbox{IPs: report.IPs, Netns: report.Netns})
+	return s != steering.Steered
 }
 
 // wantedNetns is what the rows ask for: namespaces by identity (what
@@ -189,6 +213,8 @@ type reconcilerParams struct {
 	Target       Target
 	Pods         statedb.Table[*tables.Pod]
 	CNIPods      statedb.Table[*tables.CNIPod]
+	Enrollments  statedb.Table[*enrollment.Enrollment]
+	Modes        steering.Modes
 	Redirections statedb.RWTable[*Redirection]
 }
 
@@ -205,11 +231,16 @@ const (
 )
 
 func newReconciler(p reconcilerParams) (reconciler.Reconciler[*Redirection], error) {
+	active, err := p.Modes.Active()
+	if err != nil {
+		return nil, fmt.Errorf("inpod reconciler: %w", err)
+	}
 	r, err := reconciler.Register(p.Params, p.Redirections,
 		(*Redirection).clone,
 		func(r *Redirection, s reconciler.Status) *Redirection { r.Status = s; return r },
 		func(r *Redirection) reconciler.Status { return r.Status },
-		&RulesOps{target: p.Target, pods: p.Pods, cniPods: p.CNIPods, redirections: p.Redirections, log: p.Log},
+		&RulesOps{target: p.Target, pods: p.Pods, cniPods: p.CNIPods, redirections: p.Redirections,
+			enrollments: p.Enrollments, active: active, log: p.Log},
 		nil,
 		reconciler.WithName("rules"),
 		reconciler.WithPruning(pruneInterval),

@@ -58,6 +58,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	target := &fakeTarget{namespaces: map[string][]netip.Addr{}, ids: map[string]uint64{}, aliases: map[string]string{}, rules: map[string]bool{}, altered: map[string]bool{}}
 	var modes steering.Modes
 	var db *statedb.DB
+	l2 := &fakeL2{steered: map[string]bool{}}
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
 		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell,
@@ -67,13 +68,14 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 			inpod.Core,
 		),
 		// The l2 mode's datapath has tests of its own; in these, l2 is a
-		// mode that steers nothing.
-		cell.Provide(func() steering.ModeOut { return steering.ModeOut{Mode: noL2{}} }),
+		// mode that steers what l2/steer says.
+		cell.Provide(func() steering.ModeOut { return steering.ModeOut{Mode: l2} }),
 		cell.Invoke(func(m steering.Modes, d *statedb.DB) { modes, db = m, d }),
 	)
 	cmds := target.commands()
 	zt := &ztunnels{t: t, socket: socket, running: map[string]*ztunnel{}}
 	maps.Insert(cmds, maps.All(zt.commands()))
+	maps.Insert(cmds, maps.All(l2.commands()))
 	cmds["steering/ask"] = script.Command(
 		script.CmdUsage{Summary: "print the active mode's answer for a pod and addresses (of the sandbox in netns, as the CNI route asks)",
 			Args: "[--netns=PATH] pod addr..."},
@@ -124,15 +126,40 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	return engine
 }
 
-// noL2 stands for the l2 mode in these tests.
-type noL2 struct{}
-
-func (noL2) Name() string { return steering.ModeL2 }
-func (noL2) Steering(statedb.ReadTxn, string, steering.Sandbox) (steering.Steering, string) {
-	return steering.NotSteered, "no l2 datapath in this test"
+// fakeL2 stands for the l2 mode in these tests: it steers the pods
+// l2/steer names, or all of them.
+type fakeL2 struct {
+	mu      sync.Mutex
+	all     bool
+	steered map[string]bool
 }
-func (noL2) Watch(statedb.ReadTxn) []<-chan struct{} { return nil }
-func (noL2) Tables() []statedb.TableMeta             { return nil }
+
+func (*fakeL2) Name() string { return steering.ModeL2 }
+func (m *fakeL2) Steering(_ statedb.ReadTxn, pod string, _ steering.Sandbox) (steering.Steering, string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.all || m.steered[pod] {
+		return steering.Steered, ""
+	}
+	return steering.NotSteered, "not steered by the test's l2 mode"
+}
+func (*fakeL2) Watch(statedb.ReadTxn) []<-chan struct{} { return nil }
+func (*fakeL2) Tables() []statedb.TableMeta             { return nil }
+
+func (m *fakeL2) commands() map[string]script.Cmd {
+	return map[string]script.Cmd{
+		"l2/steer": script.Command(
+			script.CmdUsage{Summary: "make the l2 mode steer the pods", Args: "pod..."},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				m.mu.Lock()
+				defer m.mu.Unlock()
+				for _, pod := range args {
+					m.steered[pod] = true
+				}
+				return nil, nil
+			}),
+	}
+}
 
 // fakeTarget is pods' namespaces in memory: their addresses, and whether
 // the redirection is in them. Open hands the test's own namespace, a real
