@@ -247,6 +247,13 @@ func TestAdmissionPolicy(t *testing.T) {
 	protected("another identity removes the annotation", patchPod(kube, "web-node-a", false, annotate(nil)))
 	protected("another identity changes it", patchPod(kube, "web-node-a", false, annotate("no")))
 	protected("another identity sets it", patchPod(kube, "web-node-b", false, annotate("ready")))
+	data, err := json.Marshal(annotate(nil))
+	must(t, err)
+	_, err = kube.CoreV1().Pods("app").Patch(ctx, "web-node-a", types.MergePatchType, data, metav1.PatchOptions{}, "status")
+	protected("another identity removes it through the pod's status", err)
+	_, err = kube.CoreV1().Pods("app").Patch(ctx, "web-node-a", types.MergePatchType,
+		[]byte(`{"status":{"message":"still running"}}`), metav1.PatchOptions{}, "status")
+	allowed("another identity writes the status of an annotated pod", err)
 	allowed("another identity relabels an annotated pod", patchPod(kube, "web-node-a", false,
 		map[string]any{"metadata": map[string]any{"labels": map[string]any{"app": "other"}}}))
 	allowed("mtlsbridge removes it", patchPod(agentKube, "web-node-a", false, annotate(nil)))
