@@ -11,7 +11,8 @@
 // steered (steering.Mode) once both are done: the CNI route holds its
 // start until then, readiness publishes it, and its Workload says HBONE.
 // In the l2 mode the tables stay empty and the reconciler removes any
-// redirection left in pods' namespaces.
+// redirection left in pods' namespaces (an enrolled pod's once the l2 mode
+// steers it).
 package inpod
 
 import (

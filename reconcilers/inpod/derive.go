@@ -37,8 +37,9 @@ type derivationParams struct {
 // enrolled pods need: the redirection in each pod's namespace, and the pod
 // handed to ztunnel. Both come from the newest CNI report of the pod's
 // sandbox, which names its namespace. In another mode the tables stay
-// empty, which makes the reconciler remove every redirection left in the
-// pods' namespaces (Cilium #47303: leftover rules blackhole pods).
+// empty, which makes the reconciler remove the redirections left in the
+// pods' namespaces (Cilium #47303: leftover rules blackhole pods), an
+// enrolled pod's once that mode steers it.
 type derivation struct {
 	derivationParams
 	initDone []func(statedb.WriteTxn)

@@ -10,9 +10,11 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 	"golang.org/x/time/rate"
@@ -32,7 +34,10 @@ type RulesOps struct {
 	// active is the mode --redirect-mode names: in another than this one,
 	// an enrolled pod keeps its redirection until that mode steers it.
 	active steering.Mode
-	log    *slog.Logger
+	// awaiting is how many redirections the last prune left for the
+	// active mode to steer their pods first (read by pruneOnceSteered).
+	awaiting atomic.Int32
+	log      *slog.Logger
 	// written is the namespace each pod's redirection was last written
 	// into, checked to hold the pod's addresses: a row still asks for it
 	// while its path names nothing (a /proc/PID path whose process died
@@ -100,21 +105,30 @@ func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 // Prune implements reconciler.Operations: every namespace a CNI report of
 // this node names, and no row asks for, loses what it holds of the
 // redirection: pods unenrolled while no agent ran, or all of them once
-// the mode is not inpod. Namespaces are compared by identity, not path: a
+// the mode is not inpod (an enrolled pod's once that mode steers it, see
+// awaitsOtherMode). Namespaces are compared by identity, not path: a
 // stale report's path may name an enrolled pod's namespace now. The
-// namespace of a pod that left the API or finished keeps its
-// redirection, as in Delete: its report may outlive the pod for a while. The reconciler
-// prunes only once the inpod table is initialized, which the derivation
-// does after cni-pods is.
+// namespace of a pod that left the API or finished keeps its redirection,
+// as in Delete: its report may outlive the pod for a while. The
+// reconciler prunes only once the inpod table is initialized, which the
+// derivation does after cni-pods is.
 func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*Redirection, statedb.Revision]) error {
 	wanted := o.wanted(rows)
 	var paths []string
+	awaiting := int32(0)
 	for row := range o.cniPods.All(txn) {
-		if row.Netns != "" && !slices.Contains(paths, row.Netns) && !o.sandboxOutlives(txn, row.Pod, row.UID) &&
-			!o.awaitsOtherMode(txn, row) {
-			paths = append(paths, row.Netns)
+		if row.Netns == "" || slices.Contains(paths, row.Netns) || o.sandboxOutlives(txn, row.Pod, row.UID) {
+			continue
 		}
+		if o.awaitsOtherMode(txn, row) {
+			if o.holdsRedirection(row.Netns) {
+				awaiting++
+			}
+			continue
+		}
+		paths = append(paths, row.Netns)
 	}
+	o.awaiting.Store(awaiting)
 	errs := wanted.errs
 	for _, path := range paths {
 		if wanted.unidentified[path] {
@@ -156,10 +170,14 @@ func (o *RulesOps) sandboxOutlives(txn statedb.ReadTxn, key, uid string) bool {
 // awaitsOtherMode reports whether the sandbox of the report is an
 // enrolled pod's that the active mode, another than this one (the node
 // switched to l2), does not steer yet: removed now, its redirection would
-// leave the pod sending in clear until that mode steers it. A later prune
-// removes it.
+// leave the pod sending in clear until that mode steers it. A prune once
+// it does removes it (pruneOnceSteered). A mode switched off steers
+// nothing, ever: there is nothing to wait for.
 func (o *RulesOps) awaitsOtherMode(txn statedb.ReadTxn, report *tables.CNIPod) bool {
 	if o.active == nil || o.active.Name() == steering.ModeInPod {
+		return false
+	}
+	if d, ok := o.active.(steering.Disabler); ok && d.Disabled() {
 		return false
 	}
 	e, _, ok := o.enrollments.Get(txn, enrollment.ByKey(report.Pod))
@@ -168,6 +186,17 @@ func (o *RulesOps) awaitsOtherMode(txn statedb.ReadTxn, report *tables.CNIPod) b
 	}
 	s, _ := o.active.Steering(txn, report.Pod, steering.Sandbox{IPs: report.IPs, Netns: report.Netns})
 	return s != steering.Steered
+}
+
+// holdsRedirection reports whether the namespace at path holds a
+// redirection now.
+func (o *RulesOps) holdsRedirection(path string) bool {
+	id, err := o.target.Identify(path)
+	if err != nil {
+		return false
+	}
+	present, _ := o.target.Present(path, id)
+	return present
 }
 
 // wantedNetns is what the rows ask for: namespaces by identity (what
@@ -235,12 +264,13 @@ func newReconciler(p reconcilerParams) (reconciler.Reconciler[*Redirection], err
 	if err != nil {
 		return nil, fmt.Errorf("inpod reconciler: %w", err)
 	}
+	ops := &RulesOps{target: p.Target, pods: p.Pods, cniPods: p.CNIPods, redirections: p.Redirections,
+		enrollments: p.Enrollments, active: active, log: p.Log}
 	r, err := reconciler.Register(p.Params, p.Redirections,
 		(*Redirection).clone,
 		func(r *Redirection, s reconciler.Status) *Redirection { r.Status = s; return r },
 		func(r *Redirection) reconciler.Status { return r.Status },
-		&RulesOps{target: p.Target, pods: p.Pods, cniPods: p.CNIPods, redirections: p.Redirections,
-			enrollments: p.Enrollments, active: active, log: p.Log},
+		ops,
 		nil,
 		reconciler.WithName("rules"),
 		reconciler.WithPruning(pruneInterval),
@@ -250,5 +280,38 @@ func newReconciler(p reconcilerParams) (reconciler.Reconciler[*Redirection], err
 	if err != nil {
 		return nil, fmt.Errorf("inpod reconciler: %w", err)
 	}
+	if active.Name() != steering.ModeInPod {
+		p.Params.JobGroup.Add(job.OneShot("prune-once-steered", func(ctx context.Context, _ cell.Health) error {
+			pruneOnceSteered(ctx, p.Params.DB, active, ops, r)
+			return nil
+		}))
+	}
 	return r, nil
+}
+
+// pruneOnceSteered prunes again whenever the active mode's answers may
+// have changed while the last prune left redirections for it to steer
+// first: once it does, they go at once rather than at the next periodic
+// prune (they would refuse the pod's connections meanwhile, with no
+// ztunnel to serve them).
+func pruneOnceSteered(ctx context.Context, db *statedb.DB, active steering.Mode, ops *RulesOps, r reconciler.Reconciler[*Redirection]) {
+	for {
+		ws := statedb.NewWatchSet()
+		ws.Add(active.Watch(db.ReadTxn())...)
+		// Settle: the datapath writes many rows at once.
+		if _, err := ws.Wait(ctx, 100*time.Millisecond); err != nil {
+			return
+		}
+		if ops.awaiting.Load() == 0 {
+			continue
+		}
+		r.Prune()
+		// At most a prune a second (it enters every namespace), should
+		// some pod never be steered.
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(time.Second):
+		}
+	}
 }

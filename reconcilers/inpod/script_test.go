@@ -127,35 +127,65 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 }
 
 // fakeL2 stands for the l2 mode in these tests: it steers the pods
-// l2/steer names, or all of them.
+// l2/steer names, or all of them; l2/disable switches it off.
 type fakeL2 struct {
-	mu      sync.Mutex
-	all     bool
-	steered map[string]bool
+	mu       sync.Mutex
+	all      bool
+	disabled bool
+	steered  map[string]bool
+	// changed is closed when an answer changes.
+	changed chan struct{}
 }
 
 func (*fakeL2) Name() string { return steering.ModeL2 }
 func (m *fakeL2) Steering(_ statedb.ReadTxn, pod string, _ steering.Sandbox) (steering.Steering, string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.all || m.steered[pod] {
+	if !m.disabled && (m.all || m.steered[pod]) {
 		return steering.Steered, ""
 	}
 	return steering.NotSteered, "not steered by the test's l2 mode"
 }
-func (*fakeL2) Watch(statedb.ReadTxn) []<-chan struct{} { return nil }
-func (*fakeL2) Tables() []statedb.TableMeta             { return nil }
+func (m *fakeL2) Disabled() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.disabled
+}
+func (m *fakeL2) Watch(statedb.ReadTxn) []<-chan struct{} {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.changed == nil {
+		m.changed = make(chan struct{})
+	}
+	return []<-chan struct{}{m.changed}
+}
+func (*fakeL2) Tables() []statedb.TableMeta { return nil }
 
 func (m *fakeL2) commands() map[string]script.Cmd {
+	change := func(f func()) {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		f()
+		if m.changed != nil {
+			close(m.changed)
+			m.changed = nil
+		}
+	}
 	return map[string]script.Cmd{
 		"l2/steer": script.Command(
 			script.CmdUsage{Summary: "make the l2 mode steer the pods", Args: "pod..."},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				m.mu.Lock()
-				defer m.mu.Unlock()
-				for _, pod := range args {
-					m.steered[pod] = true
-				}
+				change(func() {
+					for _, pod := range args {
+						m.steered[pod] = true
+					}
+				})
+				return nil, nil
+			}),
+		"l2/disable": script.Command(
+			script.CmdUsage{Summary: "switch the l2 mode off (--enable-redirect=false)"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				change(func() { m.disabled = true })
 				return nil, nil
 			}),
 	}

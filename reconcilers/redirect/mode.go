@@ -27,7 +27,10 @@ type l2Mode struct {
 	attachments statedb.Table[*Attachment]
 }
 
-var _ steering.Mode = (*l2Mode)(nil)
+var (
+	_ steering.Mode     = (*l2Mode)(nil)
+	_ steering.Disabler = (*l2Mode)(nil)
+)
 
 // NewL2Mode puts the l2 mode into the group of redirection modes. Hives
 // that provide the datapath's tables by hand (tests) provide it too.
@@ -37,9 +40,12 @@ func NewL2Mode(dp Datapath, redirects statedb.Table[*Redirect], attachments stat
 
 func (m *l2Mode) Name() string { return steering.ModeL2 }
 
+// Disabled implements steering.Disabler.
+func (m *l2Mode) Disabled() bool { return errors.Is(m.datapath.Err(), ErrDisabled) }
+
 // Steering implements steering.Mode with SteeringOf.
 func (m *l2Mode) Steering(txn statedb.ReadTxn, pod string, sandbox steering.Sandbox) (steering.Steering, string) {
-	if errors.Is(m.datapath.Err(), ErrDisabled) {
+	if m.Disabled() {
 		return NotSteered, ErrDisabled.Error()
 	}
 	// The datapath follows addresses and interfaces, whatever the

@@ -83,6 +83,13 @@ type BypassChecker interface {
 	CheckBypass(txn statedb.ReadTxn, targets []Target) map[string][]string
 }
 
+// Disabler is implemented by a mode that can be switched off (the l2
+// mode with --enable-redirect=false): it then steers nothing, and will
+// not until the agent restarts.
+type Disabler interface {
+	Disabled() bool
+}
+
 // ModeOut puts a mode into the group of modes.
 type ModeOut struct {
 	cell.Out
