@@ -77,6 +77,8 @@ type handler struct {
 	// in-pod mode would ask for the redirection there rather than in the
 	// live sandbox.
 	deleted map[string]time.Time
+	// swept is when deleted last lost what it no longer needs.
+	swept time.Time
 }
 
 // deletedMemory is how long a deletion is remembered: longer than any
@@ -274,10 +276,13 @@ func (h *handler) forget(w http.ResponseWriter, r *http.Request) {
 	if h.deleted == nil {
 		h.deleted = map[string]time.Time{}
 	}
-	for other, at := range h.deleted {
-		if now.Sub(at) > deletedMemory {
-			delete(h.deleted, other)
+	if now.Sub(h.swept) > deletedMemory {
+		for other, at := range h.deleted {
+			if now.Sub(at) > deletedMemory {
+				delete(h.deleted, other)
+			}
 		}
+		h.swept = now
 	}
 	h.deleted[id] = now
 	wtxn := h.DB.WriteTxn(h.CNIPods)

@@ -317,7 +317,7 @@ func (st *stream) handle(req request) error {
 		if detail := req.GetErrorDetail(); detail != nil {
 			st.srv.Metrics.Nacks.WithLabelValues(shortType(req.GetTypeUrl())).Inc()
 			if suppressed, ok := st.logs.Allow("nack"); ok {
-				st.srv.Log.Warn("xDS response rejected", "stream", st.client.ID, "nonce", nonce,
+				st.srv.Log.Warn("xDS response rejected", "stream", st.client.ID, "nonce", truncate(nonce, 100),
 					"error", truncate(detail.GetMessage(), 1000), "suppressedSinceLast", suppressed)
 			}
 			st.record(func(c *Client) {
@@ -325,7 +325,7 @@ func (st *stream) handle(req request) error {
 				c.LastNack = truncate(fmt.Sprintf("%s: %s", nonce, detail.GetMessage()), 1000)
 			})
 		} else {
-			st.record(func(c *Client) { c.LastAckNonce = nonce })
+			st.record(func(c *Client) { c.LastAckNonce = truncate(nonce, 100) })
 		}
 		if req.GetTypeUrl() == AddressType {
 			st.acknowledged(nonce, req.GetErrorDetail() == nil)
@@ -341,7 +341,7 @@ func (st *stream) handle(req request) error {
 		// A first request with no names at all is a legacy wildcard.
 		ts.wildcard = len(req.GetResourceNamesSubscribe()) == 0 && len(req.GetResourceNamesUnsubscribe()) == 0
 		if id := req.GetNode().GetId(); id != "" {
-			st.record(func(c *Client) { c.NodeID = id })
+			st.record(func(c *Client) { c.NodeID = truncate(id, 1000) })
 		}
 	}
 	// Every name subscribed is answered, also one subscribed already: the

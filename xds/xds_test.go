@@ -802,6 +802,18 @@ func TestStreamNameBounds(t *testing.T) {
 	waitClient(t, a, func(c *xds.Client) bool {
 		return c.Nacks == 1 && strings.HasPrefix(c.LastNack, resp.Nonce+": yyy") && len(c.LastNack) <= 1003
 	})
+	// So are a node id and an acknowledged nonce of any length.
+	z, err = connect(t, a, "tok-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, Node: &core.Node{Id: strings.Repeat("n", 1<<20)}})
+	z.recvType(xds.AddressType)
+	z.send(&discovery.DeltaDiscoveryRequest{TypeUrl: xds.AddressType, ResponseNonce: strings.Repeat("x", 1<<20)})
+	waitClient(t, a, func(c *xds.Client) bool {
+		return strings.HasPrefix(c.NodeID, "nnn") && len(c.NodeID) <= 1003 &&
+			strings.HasPrefix(c.LastAckNonce, "xxx") && len(c.LastAckNonce) <= 103
+	})
 }
 
 // manifestsFrom is a manifest folder holding file.
