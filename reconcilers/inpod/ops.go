@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"os"
 	"slices"
-	"sync/atomic"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -32,12 +31,16 @@ type RulesOps struct {
 	redirections statedb.Table[*Redirection]
 	enrollments  statedb.Table[*enrollment.Enrollment]
 	// active is the mode --redirect-mode names: in another than this one,
-	// an enrolled pod keeps its redirection until that mode steers it.
+	// an enrolled pod keeps its redirection until that mode steers it
+	// (unless it is switched off).
 	active steering.Mode
-	// awaiting is how many redirections the last prune left for the
-	// active mode to steer their pods first (read by pruneOnceSteered).
-	awaiting atomic.Int32
-	log      *slog.Logger
+	// waiting carries, from a prune that left redirections for the active
+	// mode to steer their pods first, how many and what to watch for that
+	// mode's answers to change, read in the prune's own transaction (so
+	// that no change after it goes unseen): pruneOnceSteered prunes again
+	// then.
+	waiting chan waitingPrune
+	log     *slog.Logger
 	// written is the namespace each pod's redirection was last written
 	// into, checked to hold the pod's addresses: a row still asks for it
 	// while its path names nothing (a /proc/PID path whose process died
@@ -115,20 +118,30 @@ func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*Redirection, statedb.Revision]) error {
 	wanted := o.wanted(rows)
 	var paths []string
-	awaiting := int32(0)
+	awaiting := 0
 	for row := range o.cniPods.All(txn) {
 		if row.Netns == "" || slices.Contains(paths, row.Netns) || o.sandboxOutlives(txn, row.Pod, row.UID) {
 			continue
 		}
 		if o.awaitsOtherMode(txn, row) {
-			if o.holdsRedirection(row.Netns) {
+			// Protected by identity, as a row's namespace: another path
+			// (a stale report's) may name it.
+			if id, held := o.holdsRedirection(row.Netns); held {
+				wanted.ids[id] = row.Pod
 				awaiting++
 			}
 			continue
 		}
 		paths = append(paths, row.Netns)
 	}
-	o.awaiting.Store(awaiting)
+	if awaiting > 0 && o.waiting != nil {
+		// The reconciler alone sends: a pending value is replaced.
+		select {
+		case <-o.waiting:
+		default:
+		}
+		o.waiting <- waitingPrune{count: awaiting, watch: o.active.Watch(txn)}
+	}
 	errs := wanted.errs
 	for _, path := range paths {
 		if wanted.unidentified[path] {
@@ -189,14 +202,14 @@ func (o *RulesOps) awaitsOtherMode(txn statedb.ReadTxn, report *tables.CNIPod) b
 }
 
 // holdsRedirection reports whether the namespace at path holds a
-// redirection now.
-func (o *RulesOps) holdsRedirection(path string) bool {
+// redirection now, and its identity.
+func (o *RulesOps) holdsRedirection(path string) (NetnsID, bool) {
 	id, err := o.target.Identify(path)
 	if err != nil {
-		return false
+		return NetnsID{}, false
 	}
 	present, _ := o.target.Present(path, id)
-	return present
+	return id, present
 }
 
 // wantedNetns is what the rows ask for: namespaces by identity (what
@@ -265,7 +278,7 @@ func newReconciler(p reconcilerParams) (reconciler.Reconciler[*Redirection], err
 		return nil, fmt.Errorf("inpod reconciler: %w", err)
 	}
 	ops := &RulesOps{target: p.Target, pods: p.Pods, cniPods: p.CNIPods, redirections: p.Redirections,
-		enrollments: p.Enrollments, active: active, log: p.Log}
+		enrollments: p.Enrollments, active: active, waiting: make(chan waitingPrune, 1), log: p.Log}
 	r, err := reconciler.Register(p.Params, p.Redirections,
 		(*Redirection).clone,
 		func(r *Redirection, s reconciler.Status) *Redirection { r.Status = s; return r },
@@ -282,36 +295,52 @@ func newReconciler(p reconcilerParams) (reconciler.Reconciler[*Redirection], err
 	}
 	if active.Name() != steering.ModeInPod {
 		p.Params.JobGroup.Add(job.OneShot("prune-once-steered", func(ctx context.Context, _ cell.Health) error {
-			pruneOnceSteered(ctx, p.Params.DB, active, ops, r)
+			pruneOnceSteered(ctx, ops.waiting, r)
 			return nil
 		}))
 	}
 	return r, nil
 }
 
-// pruneOnceSteered prunes again whenever the active mode's answers may
-// have changed while the last prune left redirections for it to steer
-// first: once it does, they go at once rather than at the next periodic
-// prune (they would refuse the pod's connections meanwhile, with no
-// ztunnel to serve them).
-func pruneOnceSteered(ctx context.Context, db *statedb.DB, active steering.Mode, ops *RulesOps, r reconciler.Reconciler[*Redirection]) {
+// waitingPrune is what a prune left waiting for the active mode.
+type waitingPrune struct {
+	count int
+	watch []<-chan struct{}
+}
+
+// pruneOnceSteered prunes again when the active mode's answers change
+// after a prune left redirections for it to steer first: once it does,
+// they go at once rather than at the next periodic prune (they would
+// refuse the pod's connections meanwhile, with no ztunnel to serve them).
+// A prune enters every namespace of the node: at most one a second, and
+// less and less often, down to the periodic prune's pace, while the
+// answers change but nothing the prune waits for (a pod never steered).
+func pruneOnceSteered(ctx context.Context, waiting <-chan waitingPrune, r reconciler.Reconciler[*Redirection]) {
+	pause, last := time.Second, 0
 	for {
+		var w waitingPrune
+		select {
+		case <-ctx.Done():
+			return
+		case w = <-waiting:
+		}
+		if last > 0 && w.count >= last {
+			pause = min(2*pause, pruneInterval)
+		} else {
+			pause = time.Second
+		}
+		last = w.count
 		ws := statedb.NewWatchSet()
-		ws.Add(active.Watch(db.ReadTxn())...)
+		ws.Add(w.watch...)
 		// Settle: the datapath writes many rows at once.
 		if _, err := ws.Wait(ctx, 100*time.Millisecond); err != nil {
 			return
 		}
-		if ops.awaiting.Load() == 0 {
-			continue
-		}
-		r.Prune()
-		// At most a prune a second (it enters every namespace), should
-		// some pod never be steered.
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(time.Second):
+		case <-time.After(pause):
 		}
+		r.Prune()
 	}
 }
