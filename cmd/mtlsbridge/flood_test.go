@@ -59,7 +59,7 @@ func TestUnauthenticatedFloodIsNotRead(t *testing.T) {
 	var mu sync.Mutex
 	codesSeen := map[codes.Code]int{}
 	for range 3 {
-		flood := dialAgent(t, a.stateDir, a.addr)
+		flood := a.dial(t)
 		for range 64 {
 			wg.Go(func() {
 				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -160,10 +160,11 @@ func TestHeaderFloodIsNotHeld(t *testing.T) {
 // servingAgent is an agent process serving gRPC on a loopback port, its
 // tables ready (a certificate was issued).
 type servingAgent struct {
-	stateDir, addr string
-	pid            int
-	conn           *grpc.ClientConn
-	token          string
+	addr  string
+	pid   int
+	roots *x509.CertPool // the agent's trust bundle
+	conn  *grpc.ClientConn
+	token string
 }
 
 func startServingAgent(t *testing.T) *servingAgent {
@@ -181,7 +182,8 @@ func startServingAgent(t *testing.T) *servingAgent {
 	agent.Stdout, agent.Stderr = logs, logs
 	must(t, agent.Start())
 	t.Cleanup(func() { agent.Process.Kill(); agent.Wait() })
-	a := &servingAgent{stateDir: stateDir, addr: addr, pid: agent.Process.Pid, conn: dialAgent(t, stateDir, addr)}
+	a := &servingAgent{addr: addr, pid: agent.Process.Pid, roots: trustBundle(t, stateDir)}
+	a.conn = a.dial(t)
 	a.token, _, _ = strings.Cut(agenttest.TokenAgentA, " ")
 
 	// The mTLS agent is served before the flood (the tables are ready).
@@ -206,11 +208,7 @@ func (a *servingAgent) stillServes(t *testing.T) {
 // dialHTTP2 opens a TLS connection speaking HTTP/2 to the agent and sends
 // the client preface and settings, as any client would.
 func (a *servingAgent) dialHTTP2(t *testing.T) *tls.Conn {
-	bundle, err := os.ReadFile(filepath.Join(a.stateDir, "ca", "root-cert.pem"))
-	must(t, err)
-	pool := x509.NewCertPool()
-	pool.AppendCertsFromPEM(bundle)
-	c, err := tls.Dial("tcp", a.addr, &tls.Config{RootCAs: pool, NextProtos: []string{"h2"}})
+	c, err := tls.Dial("tcp", a.addr, &tls.Config{RootCAs: a.roots, NextProtos: []string{"h2"}})
 	must(t, err)
 	t.Cleanup(func() { c.Close() })
 	_, err = c.Write([]byte(http2.ClientPreface))
@@ -247,9 +245,17 @@ func requestCertificate(t *testing.T, conn *grpc.ClientConn, token string) (*pb.
 	})
 }
 
-// dialAgent opens a connection of its own to the agent's listener,
-// trusting the bundle it writes once its CA is loaded.
-func dialAgent(t *testing.T, stateDir, addr string) *grpc.ClientConn {
+// dial opens a gRPC connection of its own to the agent.
+func (a *servingAgent) dial(t *testing.T) *grpc.ClientConn {
+	conn, err := grpc.NewClient(a.addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: a.roots})))
+	must(t, err)
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// trustBundle is the bundle the agent writes into its state folder once
+// its CA is loaded.
+func trustBundle(t *testing.T, stateDir string) *x509.CertPool {
 	var bundle []byte
 	for deadline := time.Now().Add(30 * time.Second); bundle == nil; {
 		bundle, _ = os.ReadFile(filepath.Join(stateDir, "ca", "root-cert.pem"))
@@ -262,10 +268,7 @@ func dialAgent(t *testing.T, stateDir, addr string) *grpc.ClientConn {
 	}
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(bundle)
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})))
-	must(t, err)
-	t.Cleanup(func() { conn.Close() })
-	return conn
+	return pool
 }
 
 // rss reads a memory figure of /proc/PID/status in bytes: VmRSS now, or
