@@ -134,7 +134,7 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		}
 		paths = append(paths, row.Netns)
 	}
-	if awaiting > 0 && o.waiting != nil {
+	if awaiting > 0 {
 		// The reconciler alone sends: a pending value is replaced.
 		select {
 		case <-o.waiting:
@@ -187,7 +187,7 @@ func (o *RulesOps) sandboxOutlives(txn statedb.ReadTxn, key, uid string) bool {
 // it does removes it (pruneOnceSteered). A mode switched off steers
 // nothing, ever: there is nothing to wait for.
 func (o *RulesOps) awaitsOtherMode(txn statedb.ReadTxn, report *tables.CNIPod) bool {
-	if o.active == nil || o.active.Name() == steering.ModeInPod {
+	if o.active.Name() == steering.ModeInPod {
 		return false
 	}
 	if d, ok := o.active.(steering.Disabler); ok && d.Disabled() {

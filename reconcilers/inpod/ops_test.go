@@ -270,5 +270,6 @@ func pruneWorld(t *testing.T, target Target, reported, left, inAPI []string, row
 		_, _, err := redirections.Insert(wtxn, r)
 		must(t, err)
 	}
-	return &RulesOps{target: target, pods: pods, cniPods: cniPods, redirections: redirections, log: slog.New(slog.DiscardHandler)}, wtxn.Commit()
+	return &RulesOps{target: target, pods: pods, cniPods: cniPods, redirections: redirections,
+		active: &inPodMode{}, log: slog.New(slog.DiscardHandler)}, wtxn.Commit()
 }
