@@ -47,6 +47,17 @@ func TestScript(t *testing.T) {
 	scripttest.Test(t, ctx, newEngine, nil, "testdata/*.txtar")
 }
 
+// TestScriptModeSwitch runs testdata/modeswitch/*.txtar, the in-pod
+// redirection left behind in another mode, with less time than the
+// periodic prune takes (a minute): what must go once the l2 mode steers
+// a pod goes through the prune that follows its answers, not the next
+// periodic one.
+func TestScriptModeSwitch(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), inpod.PruneInterval/2)
+	t.Cleanup(cancel)
+	scripttest.Test(t, ctx, newEngine, nil, "testdata/modeswitch/*.txtar")
+}
+
 func newEngine(t testing.TB, args []string) *script.Engine {
 	// Short: UNIX socket paths are limited to 108 bytes.
 	dir, err := os.MkdirTemp("", "inpod-")
