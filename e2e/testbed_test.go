@@ -65,10 +65,7 @@ type bed struct {
 	bin     string
 	caDir   string
 	cluster cluster
-	// inPod runs the agents with --redirect-mode=inpod and the proxies as
-	// ztunnel in its in-pod mode (inpod_test.go).
-	inPod bool
-	nodes [2]*bedNode
+	nodes   [2]*bedNode
 	// underlay records node-a's uplink: everything between the nodes.
 	underlay *netnstest.Capture
 }
@@ -90,6 +87,10 @@ type bedNode struct {
 	// zdsSocket is where the proxy meets the agent in the in-pod mode
 	// (ztunnel's INPOD_UDS, a host folder both mount).
 	zdsSocket string
+	// inPod runs the agent with --redirect-mode=inpod and the proxy as
+	// ztunnel in its in-pod mode (inpod_test.go); read at their start, so
+	// that a node may switch modes (modeswitch_test.go).
+	inPod bool
 
 	mu           sync.Mutex
 	agent, proxy *proc
@@ -139,7 +140,7 @@ func newBed(t testing.TB, c cluster) *bed { return newBedMode(t, c, false) }
 // newBedMode is newBed in the l2 or (inPod) the in-pod mode.
 func newBedMode(t testing.TB, c cluster, inPod bool) *bed {
 	netnstest.RequirePrivileged(t)
-	b := &bed{t: t, bin: cnitest.Binaries(t), cluster: c, inPod: inPod}
+	b := &bed{t: t, bin: cnitest.Binaries(t), cluster: c}
 	b.caDir = t.TempDir()
 	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", 24*time.Hour)
 	must(t, err)
@@ -154,7 +155,7 @@ func newBedMode(t testing.TB, c cluster, inPod bool) *bed {
 		t.Cleanup(func() { os.RemoveAll(stateDir) })
 		n := &bedNode{bed: b, name: "node-" + string(rune('a'+i)), index: i + 1, ns: ns, stateDir: stateDir,
 			bpfRoot: filepath.Join(bpf, "node-"+string(rune('a'+i))), grpc: netip.AddrPortFrom(ns.Addr4, 15012).String(),
-			nextAddr: 20, zdsSocket: filepath.Join(stateDir+"-zds", "ztunnel.sock")}
+			nextAddr: 20, zdsSocket: filepath.Join(stateDir+"-zds", "ztunnel.sock"), inPod: inPod}
 		t.Cleanup(func() { os.RemoveAll(stateDir + "-zds") })
 		n.runtime = cnitest.NewRuntime(t, ns.NS, b.bin, func(sb cnitest.Sandbox) []byte {
 			return fmt.Appendf(nil, `{"cniVersion": "1.0.0", "name": "node", "plugins": [
@@ -236,7 +237,7 @@ func (n *bedNode) startAgent() {
 		"--node-name=" + n.name, "--state-dir=" + n.stateDir, "--bpf-root=" + n.bpfRoot,
 		"--devices=" + netnstest.UplinkName, "--grpc-listen=" + n.grpc, "--ca-dir=" + n.bed.caDir,
 		"--bypass-check-interval=1s"}, n.bed.cluster.agentArgs(n)...)
-	if n.bed.inPod {
+	if n.inPod {
 		args = append(args, "--redirect-mode=inpod", "--zds-socket="+n.zdsSocket)
 	}
 	n.agent = n.bed.start(n.ns.Name, filepath.Join(n.stateDir, "agent.log"), os.Environ(), args...)
@@ -269,7 +270,7 @@ func (n *bedNode) startProxy() {
 		proxy.EnvInstanceIP + "=" + n.proxyPod.ip4.String(),
 		proxy.EnvClusterID + "=Kubernetes",
 	}
-	if n.bed.inPod {
+	if n.inPod {
 		env = append(env, proxy.EnvInPodUDS+"="+n.zdsSocket)
 	}
 	n.proxy = n.bed.start(n.proxyPod.ns.Name, filepath.Join(n.stateDir, "proxy.log"), env,
@@ -298,6 +299,20 @@ func (n *bedNode) stop() {
 	n.proxy.signal(syscall.SIGTERM)
 	n.agent.signal(syscall.SIGTERM)
 	n.proxy, n.agent = nil, nil
+}
+
+// switchMode restarts the node's agent and proxy in the l2 or (inPod) the
+// in-pod mode, as an operator's update does: both stopped (SIGTERM), then
+// started with the other mode's flags and environment.
+func (n *bedNode) switchMode(inPod bool) {
+	n.stop()
+	n.mu.Lock()
+	n.inPod = inPod
+	n.mu.Unlock()
+	n.startAgent()
+	n.waitAgent()
+	n.startProxy()
+	n.waitProxyReady()
 }
 
 // waitAgent waits until the agent's tables are all initialized.
