@@ -59,6 +59,10 @@ type hbonePair struct {
 	appSaw chan netip.AddrPort
 	bLog   *syncbuf.Buffer
 	aLog   *syncbuf.Buffer
+	// stopB stops b's HBONE side as a stopping proxy does; bStopped is
+	// closed once its accept loop and every connection it served ended.
+	stopB    context.CancelFunc
+	bStopped chan struct{}
 }
 
 func newHBONEPair(t *testing.T) *hbonePair {
@@ -82,7 +86,12 @@ func newHBONEPair(t *testing.T) *hbonePair {
 	must(t, err)
 	t.Cleanup(func() { l.Close() })
 	h.a.peerHBONEPort = uint16(l.Addr().(*net.TCPAddr).Port)
-	go h.b.accept(ctx, l, h.b.inboundSlots, DirectionInbound, h.b.handleInbound)
+	bctx, stopB := context.WithCancel(ctx)
+	h.stopB, h.bStopped = func() { stopB(); l.Close() }, make(chan struct{})
+	go func() {
+		defer close(h.bStopped)
+		h.b.accept(bctx, l, h.b.inboundSlots, DirectionInbound, h.b.handleInbound)
+	}()
 	go h.b.enforcePolicies(ctx)
 
 	// api's application.
@@ -225,6 +234,28 @@ func TestHBONE(t *testing.T) {
 	if n := h.a.pool.size(); n != 1 {
 		t.Errorf("pool holds %d connections, want 1", n)
 	}
+}
+
+// TestStopClosesPeersConnections: a peer keeps its HBONE connection for
+// reuse; a proxy that stops closes it rather than wait for the peer, and
+// the peer sees it closed.
+func TestStopClosesPeersConnections(t *testing.T) {
+	h := newHBONEPair(t)
+	pod := h.connect(t, h.app)
+	pod.(*net.TCPConn).CloseWrite()
+	if _, err := io.ReadAll(pod); err != nil {
+		t.Fatal(err)
+	}
+	if n := h.a.pool.size(); n != 1 {
+		t.Fatalf("a's pool holds %d connections, want the one to b, kept for reuse", n)
+	}
+	h.stopB()
+	select {
+	case <-h.bStopped:
+	case <-time.After(5 * time.Second):
+		t.Fatal("b still serves a's pooled connection 5 s after it stopped (a keeps it for a minute)")
+	}
+	eventually(t, func() bool { h.a.pool.sweep(); return h.a.pool.size() == 0 }, "a sees its pooled connection closed")
 }
 
 // TestHBONELarge: megabytes cross the tunnel both ways intact while the

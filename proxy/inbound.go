@@ -73,6 +73,9 @@ func (p *Proxy) inbound(ctx context.Context, conn *net.TCPConn, dial dialer) {
 		return
 	}
 	defer tlsConn.Close()
+	// Peers keep their HBONE connections for reuse: a proxy that stops,
+	// or a pod no longer served, closes them rather than wait.
+	defer context.AfterFunc(ctx, func() { tlsConn.Close() })()
 	handshaken()
 	p.h2.ServeConn(tlsConn, &http2.ServeConnOpts{
 		Context:    ctx,
