@@ -33,6 +33,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering/steeringtest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
@@ -137,11 +138,13 @@ type testAgent struct {
 // folder as package cni does, before cni-pods counts as initialized.
 func startAgent(t *testing.T, manifests string, report *tables.CNIPod, flags ...string) *testAgent {
 	ag := &testAgent{}
+	l2 := steeringtest.New(steering.ModeL2)
+	l2.SteerAll()
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
 		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, readiness.Cell, workload.Cell,
 		// In the l2 mode, every pod is steered at once.
-		cell.Provide(func() steering.ModeOut { return steering.ModeOut{Mode: &fakeL2{all: true}} }),
+		cell.Provide(l2.Out),
 		inpod.Cell,
 		cell.Invoke(func(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], m steering.Modes) {
 			ag.db, ag.modes = db, m

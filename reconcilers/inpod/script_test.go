@@ -30,6 +30,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering/steeringtest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/workload"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
@@ -69,7 +70,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	target := &fakeTarget{namespaces: map[string][]netip.Addr{}, ids: map[string]uint64{}, aliases: map[string]string{}, rules: map[string]bool{}, altered: map[string]bool{}}
 	var modes steering.Modes
 	var db *statedb.DB
-	l2 := &fakeL2{steered: map[string]bool{}}
+	l2 := steeringtest.New(steering.ModeL2)
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
 		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell,
@@ -80,13 +81,13 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 		),
 		// The l2 mode's datapath has tests of its own; in these, l2 is a
 		// mode that steers what l2/steer says.
-		cell.Provide(func() steering.ModeOut { return steering.ModeOut{Mode: l2} }),
+		cell.Provide(l2.Out),
 		cell.Invoke(func(m steering.Modes, d *statedb.DB) { modes, db = m, d }),
 	)
 	cmds := target.commands()
 	zt := &ztunnels{t: t, socket: socket, running: map[string]*ztunnel{}}
 	maps.Insert(cmds, maps.All(zt.commands()))
-	maps.Insert(cmds, maps.All(l2.commands()))
+	maps.Insert(cmds, maps.All(l2Commands(l2)))
 	cmds["steering/ask"] = script.Command(
 		script.CmdUsage{Summary: "print the active mode's answer for a pod and addresses (of the sandbox in netns, as the CNI route asks)",
 			Args: "[--netns=PATH] pod addr..."},
@@ -137,66 +138,19 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	return engine
 }
 
-// fakeL2 stands for the l2 mode in these tests: it steers the pods
-// l2/steer names, or all of them; l2/disable switches it off.
-type fakeL2 struct {
-	mu       sync.Mutex
-	all      bool
-	disabled bool
-	steered  map[string]bool
-	// changed is closed when an answer changes.
-	changed chan struct{}
-}
-
-func (*fakeL2) Name() string { return steering.ModeL2 }
-func (m *fakeL2) Steering(_ statedb.ReadTxn, pod string, _ steering.Sandbox) (steering.Steering, string) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if !m.disabled && (m.all || m.steered[pod]) {
-		return steering.Steered, ""
-	}
-	return steering.NotSteered, "not steered by the test's l2 mode"
-}
-func (m *fakeL2) Disabled() bool {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return m.disabled
-}
-func (m *fakeL2) Watch(statedb.ReadTxn) []<-chan struct{} {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.changed == nil {
-		m.changed = make(chan struct{})
-	}
-	return []<-chan struct{}{m.changed}
-}
-func (*fakeL2) Tables() []statedb.TableMeta { return nil }
-
-func (m *fakeL2) commands() map[string]script.Cmd {
-	change := func(f func()) {
-		m.mu.Lock()
-		defer m.mu.Unlock()
-		f()
-		if m.changed != nil {
-			close(m.changed)
-			m.changed = nil
-		}
-	}
+// l2Commands drive the stand-in l2 mode of these tests.
+func l2Commands(m *steeringtest.Mode) map[string]script.Cmd {
 	return map[string]script.Cmd{
 		"l2/steer": script.Command(
 			script.CmdUsage{Summary: "make the l2 mode steer the pods", Args: "pod..."},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				change(func() {
-					for _, pod := range args {
-						m.steered[pod] = true
-					}
-				})
+				m.Steer(args...)
 				return nil, nil
 			}),
 		"l2/disable": script.Command(
 			script.CmdUsage{Summary: "switch the l2 mode off (--enable-redirect=false)"},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				change(func() { m.disabled = true })
+				m.Disable()
 				return nil, nil
 			}),
 	}
