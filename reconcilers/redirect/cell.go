@@ -33,8 +33,9 @@ var Cell = cell.Module(
 	cell.Provide(newDatapath, newNetlinkInterfaces),
 	// The pinned state as it is, read anew at each call (the bypass check).
 	cell.Provide(newPinnedState),
-	// In another mode, what an earlier l2 agent left pinned goes.
-	cell.Invoke(registerStalePinsRemoval),
+	// In another mode, what an earlier l2 agent left pinned is handed
+	// over to it pod by pod, then goes.
+	cell.Invoke(registerHandover),
 	Core,
 )
 

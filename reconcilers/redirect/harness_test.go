@@ -72,6 +72,7 @@ func newCluster(t *testing.T) *cluster {
 
 type manifest struct {
 	enrollA   bool
+	enrollN   bool
 	withAgent bool
 	withoutN  bool
 	withoutA  bool
@@ -103,7 +104,11 @@ func (c *cluster) write(t *testing.T, m manifest) {
 		pod("r", "node-b", workload, c.r.IP4, c.r.IP6),
 	}
 	if !m.withoutN {
-		docs = append(docs, pod("n", "node-a", map[string]string{"gen": fmt.Sprintf("g%d", m.gen)}, c.n.IP4, c.n.IP6))
+		labels := map[string]string{"gen": fmt.Sprintf("g%d", m.gen)}
+		if m.enrollN {
+			labels[tables.RedirTypeLabel] = tables.RedirTypeWorkload
+		}
+		docs = append(docs, pod("n", "node-a", labels, c.n.IP4, c.n.IP6))
 	}
 	if m.imposter {
 		mapped := netip.AddrFrom16(c.a.IP4.As16())
