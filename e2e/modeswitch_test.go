@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"os"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -20,14 +22,14 @@ const (
 	switchMaxRequests = 2000 // per sender: 100 s at the interval, beyond bedTimeout's waits
 )
 
-// TestModeSwitch switches node-a from the in-pod mode to l2 as an operator
-// does (agent and mTLS agent restarted in the other mode) while its
-// enrolled pod sends to an enrolled pod of node-b, with the real l2
-// datapath and real in-pod rules in the same pod: nothing of the enrolled
-// pod crosses the underlay in clear (its in-pod redirection refuses its
-// connections until the l2 datapath steers it), the redirection leaves
-// the pod once that datapath steers it, and its traffic is tunnelled
-// again, by the l2 proxy, both ways.
+// TestModeSwitch switches node-a from the in-pod mode to l2 and back, as
+// an operator does (agent and mTLS agent restarted in the other mode),
+// while its enrolled pod sends to an enrolled pod of node-b, with the real
+// l2 datapath and real in-pod rules in the same pod. Each way, nothing of
+// the enrolled pod crosses the underlay in clear: the old mode's
+// redirection holds its connections (refused or dropped, with the old
+// mTLS agent gone) until the new mode steers it, and then leaves; after
+// each switch its traffic is tunnelled, both ways.
 func TestModeSwitch(t *testing.T) {
 	b := newBedMode(t, newFolderCluster(t), true)
 	na, nb := b.nodes[0], b.nodes[1]
@@ -40,9 +42,37 @@ func TestModeSwitch(t *testing.T) {
 		t.Fatal("a1 does not hold the in-pod redirection before the switch")
 	}
 
+	t.Run("inpod to l2", func(t *testing.T) {
+		switchUnderTraffic(t, b, na, false, a1, aplain, r, func() error {
+			if inPodRulesPresent(t, a1) {
+				return errors.New("the in-pod redirection is still in a1's namespace")
+			}
+			return nil
+		})
+	})
+	t.Run("l2 to inpod", func(t *testing.T) {
+		switchUnderTraffic(t, b, na, true, a1, aplain, r, func() error {
+			if err := inPodInPlace(a1); err != nil {
+				return err
+			}
+			if pins, _ := os.ReadDir(na.bpfRoot); len(pins) > 0 {
+				return fmt.Errorf("the l2 datapath's %d pins are still under %s", len(pins), na.bpfRoot)
+			}
+			return nil
+		})
+	})
+}
+
+// switchUnderTraffic switches node n to the in-pod mode or l2 while the
+// enrolled pod and the plain pod send to r, until the switch is complete
+// and the enrolled pod was answered since; then checks that nothing of
+// the enrolled pod crossed the underlay in clear, and that it is
+// tunnelled both ways.
+func switchUnderTraffic(t *testing.T, b *bed, n *bedNode, inPod bool, enrolled, plain, r *bedPod, complete func() error) {
 	enrolledMarker, plainMarker := newMarker("enrolled"), newMarker("plain")
 	b.underlay.Watch(enrolledMarker)
 	b.underlay.Watch(plainMarker)
+	first := len(b.underlay.Segments())
 	var (
 		mu      sync.Mutex
 		results = map[*bedPod][]error{}
@@ -50,7 +80,7 @@ func TestModeSwitch(t *testing.T) {
 		done    = make(chan struct{})
 		senders sync.WaitGroup
 	)
-	for _, p := range []*bedPod{a1, aplain} {
+	for _, p := range []*bedPod{enrolled, plain} {
 		marker := plainMarker
 		if p.enrolled {
 			marker = enrolledMarker
@@ -73,44 +103,36 @@ func TestModeSwitch(t *testing.T) {
 			}
 		})
 	}
-	// answered counts p's requests answered since its request number from.
-	answered := func(p *bedPod, from int) int {
+	// answered counts p's requests answered from its request number from.
+	answered := func(p *bedPod, from int) (sent, ok int) {
 		mu.Lock()
 		defer mu.Unlock()
-		n := 0
 		for _, err := range results[p][min(from, len(results[p])):] {
 			if err == nil {
-				n++
+				ok++
 			}
 		}
-		return n
-	}
-	sent := func(p *bedPod) int {
-		mu.Lock()
-		defer mu.Unlock()
-		return len(results[p])
+		return len(results[p]), ok
 	}
 	b.eventually("both pods answered before the switch", func() error {
-		if answered(a1, 0) == 0 || answered(aplain, 0) == 0 {
+		if _, e := answered(enrolled, 0); e == 0 {
+			return errors.New("not yet")
+		}
+		if _, p := answered(plain, 0); p == 0 {
 			return errors.New("not yet")
 		}
 		return nil
 	})
 
-	switchedAt := time.Now()
-	na.switchMode(false)
-	b.eventually("a1's in-pod redirection removed once the l2 datapath steers it", func() error {
-		if inPodRulesPresent(t, a1) {
-			return errors.New("still in a1's namespace")
-		}
-		return nil
-	})
-	t.Logf("in-pod rules left a1 %s after the switch began", time.Since(switchedAt).Round(time.Millisecond))
-	b.knows(na, a1, r, true)
-	since := sent(a1)
-	b.eventually("a1 answered through node-a's l2 proxy", func() error {
-		if answered(a1, since) == 0 {
-			return errors.New("no request answered since the in-pod rules left")
+	began := time.Now()
+	n.switchMode(inPod)
+	b.eventually("the switch complete", complete)
+	t.Logf("switch complete %s after it began", time.Since(began).Round(time.Millisecond))
+	b.knows(n, enrolled, r, true)
+	since, _ := answered(enrolled, 0)
+	b.eventually(enrolled.name+" answered in the new mode", func() error {
+		if _, ok := answered(enrolled, since); ok == 0 {
+			return errors.New("no request answered since the switch completed")
 		}
 		return nil
 	})
@@ -121,13 +143,15 @@ func TestModeSwitch(t *testing.T) {
 	for _, w := range wrong {
 		t.Error(w)
 	}
-	refused := len(results[a1]) - answered(a1, 0)
-	t.Logf("a1 sent %d requests, %d answered (%d refused or failed during the switch); aplain %d, %d answered",
-		len(results[a1]), answered(a1, 0), refused, len(results[aplain]), answered(aplain, 0))
+	sentE, okE := answered(enrolled, 0)
+	sentP, okP := answered(plain, 0)
+	t.Logf("%s sent %d requests, %d answered (the others refused or dropped during the switch); %s %d, %d answered",
+		enrolled, sentE, okE, plain, sentP, okP)
 	var leaked []netnstest.Segment
-	for _, s := range b.underlay.Segments() {
-		fromA1 := s.Src.Addr() == a1.ip4 || s.Src.Addr() == a1.ip6 || s.Dst.Addr() == a1.ip4 || s.Dst.Addr() == a1.ip6
-		if fromA1 && s.Src.Port() != proxy.HBONEPort && s.Dst.Port() != proxy.HBONEPort {
+	for _, s := range b.underlay.Segments()[first:] {
+		ends := []netip.Addr{s.Src.Addr(), s.Dst.Addr()}
+		ofEnrolled := slices.Contains(ends, enrolled.ip4) || slices.Contains(ends, enrolled.ip6)
+		if ofEnrolled && s.Src.Port() != proxy.HBONEPort && s.Dst.Port() != proxy.HBONEPort {
 			leaked = append(leaked, s)
 		}
 	}
@@ -136,26 +160,25 @@ func TestModeSwitch(t *testing.T) {
 			t.Errorf("... %d more", len(leaked)-10)
 			break
 		}
-		t.Errorf("a1's TCP outside HBONE on the underlay: %s", s)
+		t.Errorf("%s's TCP outside HBONE on the underlay: %s", enrolled, s)
 	}
 	if seen := b.underlay.Seen(enrolledMarker); len(seen) > 0 {
-		t.Errorf("a1's payload crossed the underlay in clear: %s", seen[0])
+		t.Errorf("%s's payload crossed the underlay in clear: %s", enrolled, seen[0])
 	}
 	// Without these, no leak proves nothing.
 	if len(b.underlay.Seen(plainMarker)) == 0 {
-		t.Error("aplain's payload was never seen on the underlay: the capture proves nothing")
+		t.Errorf("%s's payload was never seen on the underlay: the capture proves nothing", plain)
 	}
 	if err := b.underlay.Err(); err != nil || b.underlay.Dropped() > 0 {
 		t.Errorf("capture: %v, %d dropped", err, b.underlay.Dropped())
 	}
 
-	// After the switch: both ways mTLS, through node-a's l2 proxy.
 	for _, v6 := range []bool{false, true} {
-		for _, c := range []struct{ from, to *bedPod }{{a1, r}, {r, a1}} {
+		for _, c := range []struct{ from, to *bedPod }{{enrolled, r}, {r, enrolled}} {
 			f := b.run(c.from, c.to, v6)
 			t.Log(f)
 			expectMTLS(t, f)
 		}
 	}
-	b.eventually("node-a's bypass check", func() error { return na.noBypass("a1") })
+	b.eventually(n.name+"'s bypass check", func() error { return n.noBypass(enrolled.name) })
 }

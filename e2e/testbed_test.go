@@ -8,7 +8,6 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -303,15 +302,17 @@ func (n *bedNode) stop() {
 
 // switchMode restarts the node's agent and proxy in the l2 or (inPod) the
 // in-pod mode, as an operator's update does: both stopped (SIGTERM), then
-// started with the other mode's flags and environment.
+// started with the other mode's flags and environment. Neither waits for
+// the other (in the in-pod mode, the agent is ready only once ztunnel
+// serves its enrolled pods).
 func (n *bedNode) switchMode(inPod bool) {
 	n.stop()
 	n.mu.Lock()
 	n.inPod = inPod
 	n.mu.Unlock()
 	n.startAgent()
-	n.waitAgent()
 	n.startProxy()
+	n.waitAgent()
 	n.waitProxyReady()
 }
 
@@ -329,9 +330,10 @@ func (n *bedNode) waitAgent() {
 		if err != nil {
 			return err
 		}
-		resp.Body.Close()
+		defer resp.Body.Close()
 		if resp.StatusCode != http.StatusOK {
-			return errors.New(resp.Status)
+			body, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<10))
+			return fmt.Errorf("%s: %s", resp.Status, body)
 		}
 		return nil
 	})
