@@ -16,4 +16,7 @@ var (
 	ErrBadMAC = errors.New("not a 6-byte MAC address")
 	// ErrUnknownHook is returned for a hook this package has no program for.
 	ErrUnknownHook = errors.New("unknown hook")
+	// ErrMapLayout is returned for a pinned map whose keys or values are
+	// not this version's (an older or newer agent pinned it).
+	ErrMapLayout = errors.New("map of another layout")
 )

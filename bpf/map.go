@@ -3,6 +3,7 @@
 package bpf
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -152,4 +153,49 @@ func (r *RedirectMap) Dump() (map[netip.Addr]Entry, error) {
 		out[netip.AddrFrom16(k.Addr).Unmap()] = entry(v)
 	}
 	return out, it.Err()
+}
+
+// Conn is a connection of proxied_map, as its pod sends it: Src is the
+// pod's end.
+type Conn struct{ Src, Dst netip.AddrPort }
+
+// ProxiedConns reads the connections an agent held (proxied_map, opened
+// with ebpf.LoadPinnedMap and checked with CheckMaps). Addresses come back
+// unmapped.
+func ProxiedConns(m *ebpf.Map) ([]Conn, error) {
+	var (
+		k     redirectConnKey
+		v     uint8
+		conns []Conn
+	)
+	port := func(be uint16) uint16 { // stored as the packet has it
+		var b [2]byte
+		binary.NativeEndian.PutUint16(b[:], be)
+		return binary.BigEndian.Uint16(b[:])
+	}
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		conns = append(conns, Conn{
+			Src: netip.AddrPortFrom(netip.AddrFrom16(k.Src.Addr).Unmap(), port(k.Sport)),
+			Dst: netip.AddrPortFrom(netip.AddrFrom16(k.Dst.Addr).Unmap(), port(k.Dport)),
+		})
+	}
+	return conns, it.Err()
+}
+
+// CheckMaps tells whether the redirect map and proxied_map have this
+// version's layout (maps an older or newer agent pinned may not).
+//
+// Possible errors: ErrMapLayout.
+func CheckMaps(redirects, proxied *ebpf.Map) error {
+	return errors.Join(checkLayout(redirects, redirectRedirectKey{}, redirectRedirectValue{}),
+		checkLayout(proxied, redirectConnKey{}, uint8(0)))
+}
+
+func checkLayout(m *ebpf.Map, key, value any) error {
+	if m.KeySize() != uint32(binary.Size(key)) || m.ValueSize() != uint32(binary.Size(value)) {
+		return fmt.Errorf("%w: key %d and value %d bytes, want %d and %d", ErrMapLayout,
+			m.KeySize(), m.ValueSize(), binary.Size(key), binary.Size(value))
+	}
+	return nil
 }

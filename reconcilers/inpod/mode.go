@@ -25,8 +25,9 @@ type inPodMode struct {
 }
 
 var (
-	_ steering.Mode          = (*inPodMode)(nil)
-	_ steering.BypassChecker = (*inPodMode)(nil)
+	_ steering.Mode             = (*inPodMode)(nil)
+	_ steering.BypassChecker    = (*inPodMode)(nil)
+	_ steering.ConnectionCloser = (*inPodMode)(nil)
 )
 
 func newMode(target Target, r statedb.Table[*Redirection], w statedb.Table[*nodeagent.Workload], c statedb.Table[*nodeagent.Connection]) steering.ModeOut {
@@ -174,4 +175,14 @@ func (m *inPodMode) CheckBypass(txn statedb.ReadTxn, targets []steering.Target) 
 		}
 	}
 	return out
+}
+
+// CloseConnections implements steering.ConnectionCloser, in the namespace
+// the pod's redirection names (checked to hold its addresses).
+func (m *inPodMode) CloseConnections(txn statedb.ReadTxn, pod string, conns []steering.Conn) (int, error) {
+	r, _, ok := m.redirections.Get(txn, RedirectionByPod(pod))
+	if !ok || r.Netns == "" {
+		return 0, fmt.Errorf("%s: %w", pod, ErrNoNetns)
+	}
+	return m.target.CloseConnections(r.Netns, r.IPs, conns)
 }

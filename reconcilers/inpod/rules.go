@@ -37,7 +37,6 @@ package inpod
 
 import (
 	"bytes"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -48,7 +47,6 @@ import (
 	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netlink/nl"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
@@ -441,68 +439,6 @@ func checkListeners(h netns.NsHandle) ([]string, error) {
 	}
 	return gaps, nil
 }
-
-// listeningPorts reports which of ports a TCP socket of the namespace
-// listens on. The kernel is asked for listening sockets only, and each
-// is looked at as it comes: the pod decides how many sockets it holds (a
-// million connections in TIME_WAIT need no descriptor), and a listing of
-// them all (netlink's SocketDiagTCP) cost the agent about 350 bytes each.
-func listeningPorts(h netns.NsHandle, ports []uint16) (map[uint16]bool, error) {
-	// The diag socket must be opened in the namespace.
-	sock, err := nl.GetNetlinkSocketAt(h, netns.None(), unix.NETLINK_INET_DIAG)
-	if err != nil {
-		return nil, err
-	}
-	defer sock.Close()
-	listening := map[uint16]bool{}
-	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
-		req := nl.NewNetlinkRequest(nl.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP)
-		req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: sock}}
-		req.AddData(listenersRequest{family: family})
-		err := req.ExecuteIter(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY, func(msg []byte) bool {
-			// struct inet_diag_msg: family, state, timer, retrans, then
-			// the socket id, its source port first (network order).
-			if len(msg) >= 6 && msg[1] == tcpListen {
-				if port := binary.BigEndian.Uint16(msg[4:6]); slices.Contains(ports, port) {
-					listening[port] = true
-				}
-			}
-			return true
-		})
-		switch {
-		case errors.Is(err, nl.ErrDumpInterrupted):
-			// A listing that changed while dumped may miss a listener:
-			// not a gap to report.
-			return nil, fmt.Errorf("listening sockets: %w", err)
-		case err != nil && family == unix.AF_INET6:
-			// IPv6 disabled.
-		case err != nil:
-			return nil, err
-		}
-	}
-	return listening, nil
-}
-
-// listenersRequest is an inet_diag_req_v2 for the TCP sockets of a family
-// in state LISTEN.
-type listenersRequest struct{ family uint8 }
-
-// inetDiagReqV2Len is the size of struct inet_diag_req_v2: family,
-// protocol, extensions, a pad byte, the states, and a 48-byte socket id
-// (unused in a dump).
-const inetDiagReqV2Len = 56
-
-func (r listenersRequest) Len() int { return inetDiagReqV2Len }
-
-func (r listenersRequest) Serialize() []byte {
-	b := make([]byte, inetDiagReqV2Len)
-	b[0], b[1] = r.family, unix.IPPROTO_TCP
-	binary.NativeEndian.PutUint32(b[4:8], 1<<tcpListen)
-	return b
-}
-
-// tcpListen is TCP_LISTEN of the kernel's TCP states.
-const tcpListen = 10
 
 // diffTable compares the table's chains and rules with ruleset(), by the
 // netlink encoding of each rule's expressions.

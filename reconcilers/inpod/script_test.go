@@ -249,6 +249,16 @@ func (f *fakeTarget) Open(path string, ips []netip.Addr) (*os.File, error) {
 	return os.Open("/proc/self/ns/net")
 }
 
+// CloseConnections: namespaces in memory hold no sockets.
+func (f *fakeTarget) CloseConnections(path string, _ []netip.Addr, _ []steering.Conn) (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.namespaces[f.resolve(path)]; !ok {
+		return 0, fmt.Errorf("open %s: %w", path, os.ErrNotExist)
+	}
+	return 0, nil
+}
+
 func (f *fakeTarget) commands() map[string]script.Cmd {
 	return map[string]script.Cmd{
 		"netns/add": script.Command(

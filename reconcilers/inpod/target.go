@@ -11,6 +11,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/zds"
 )
 
@@ -39,6 +40,9 @@ type Target interface {
 	// Open opens the namespace to hand it to ztunnel (checked to hold ips).
 	// Possible errors: one wrapping os.ErrNotExist when it is gone.
 	Open(path string, ips []netip.Addr) (*os.File, error)
+	// CloseConnections aborts the namespace's TCP sockets of conns
+	// (checked to hold ips) and returns how many there were.
+	CloseConnections(path string, ips []netip.Addr, conns []steering.Conn) (int, error)
 }
 
 // NetnsID identifies a network namespace, whatever path names it: its
@@ -120,6 +124,14 @@ func (netlinkTarget) Check(path string, ips []netip.Addr) ([]string, error) {
 
 func (netlinkTarget) Open(path string, ips []netip.Addr) (*os.File, error) {
 	return openPodNetns(path, ips)
+}
+
+func (netlinkTarget) CloseConnections(path string, ips []netip.Addr, conns []steering.Conn) (closed int, err error) {
+	err = inPodNetns(path, ips, func(h netns.NsHandle) error {
+		closed, err = closeConnections(h, conns)
+		return err
+	})
+	return closed, err
 }
 
 // statNetns is the identity of what path names now; the error is stat's.

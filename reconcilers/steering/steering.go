@@ -90,6 +90,21 @@ type Disabler interface {
 	Disabled() bool
 }
 
+// ConnectionCloser is implemented by a mode that can close a pod's TCP
+// connections itself (in-pod: in the pod's namespace). Taking a pod over
+// from the l2 mode, the agent asks it to close those the l2 mTLS agent
+// held: their ends in the pod may live on (a pooled connection whose
+// peer, that agent, is gone), and their next segment would leave in
+// clear once the l2 datapath no longer drops it.
+type ConnectionCloser interface {
+	// CloseConnections aborts the pod's sockets of conns; one that is not
+	// there is no error. It returns how many it aborted.
+	CloseConnections(txn statedb.ReadTxn, pod string, conns []Conn) (int, error)
+}
+
+// Conn is a TCP connection as the pod sees it.
+type Conn struct{ Local, Remote netip.AddrPort }
+
 // ModeOut puts a mode into the group of modes.
 type ModeOut struct {
 	cell.Out

@@ -6,6 +6,7 @@
 package steeringtest
 
 import (
+	"slices"
 	"sync"
 
 	"github.com/cilium/statedb"
@@ -22,16 +23,19 @@ type Mode struct {
 	disabled bool
 	steered  map[string]bool
 	changed  chan struct{}
+	// closed are the connections asked to be closed, by pod.
+	closed map[string][]steering.Conn
 }
 
 var (
-	_ steering.Mode     = (*Mode)(nil)
-	_ steering.Disabler = (*Mode)(nil)
+	_ steering.Mode             = (*Mode)(nil)
+	_ steering.Disabler         = (*Mode)(nil)
+	_ steering.ConnectionCloser = (*Mode)(nil)
 )
 
 // New returns a mode of that name that steers no pod yet.
 func New(name string) *Mode {
-	return &Mode{name: name, steered: map[string]bool{}, changed: make(chan struct{})}
+	return &Mode{name: name, steered: map[string]bool{}, changed: make(chan struct{}), closed: map[string][]steering.Conn{}}
 }
 
 // Out provides the mode to the hive's group of modes.
@@ -61,6 +65,22 @@ func (m *Mode) Watch(statedb.ReadTxn) []<-chan struct{} {
 }
 
 func (m *Mode) Tables() []statedb.TableMeta { return nil }
+
+// CloseConnections records what it is asked to close (the test's mode
+// has no sockets).
+func (m *Mode) CloseConnections(_ statedb.ReadTxn, pod string, conns []steering.Conn) (int, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.closed[pod] = append(m.closed[pod], conns...)
+	return len(conns), nil
+}
+
+// Closed returns the connections of pod the mode was asked to close.
+func (m *Mode) Closed(pod string) []steering.Conn {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.Clone(m.closed[pod])
+}
 
 // Steer makes the mode steer the pods ("namespace/name").
 func (m *Mode) Steer(pods ...string) {

@@ -1,0 +1,78 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package inpod
+
+import (
+	"errors"
+	"net"
+	"net/netip"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
+)
+
+// TestCloseConnections: the connections named are aborted in the pod's
+// namespace, IPv4 and IPv6, the pod's end sees it at once; a connection
+// not named lives on, and one that is not there is no error, also where
+// the kernel's lookup finds its port's listener instead, which lives on.
+func TestCloseConnections(t *testing.T) {
+	netnstest.RequirePrivileged(t)
+	ns := netnstest.NewNS(t, "closeconns")
+	type pair struct{ pod, peer net.Conn }
+	connect := func(network, addr string) pair {
+		t.Helper()
+		l := listenAt(t, ns, network, addr)
+		accepted := make(chan net.Conn, 1)
+		go func() {
+			if c, err := l.Accept(); err == nil {
+				accepted <- c
+			}
+		}()
+		var p pair
+		must(t, ns.Do(func() (err error) {
+			p.pod, err = net.Dial(network, l.Addr().String())
+			return err
+		}))
+		t.Cleanup(func() { p.pod.Close() })
+		p.peer = <-accepted
+		t.Cleanup(func() { p.peer.Close() })
+		return p
+	}
+	ends := func(p pair) steering.Conn {
+		return steering.Conn{Local: netip.MustParseAddrPort(p.pod.LocalAddr().String()), Remote: netip.MustParseAddrPort(p.pod.RemoteAddr().String())}
+	}
+	v4, v6, kept := connect("tcp4", "127.0.0.1:0"), connect("tcp6", "[::1]:0"), connect("tcp4", "127.0.0.1:0")
+	gone := steering.Conn{Local: netip.MustParseAddrPort("127.0.0.1:1"), Remote: netip.MustParseAddrPort("127.0.0.1:2")}
+	listener := listenAt(t, ns, "tcp6", "[::]:0")
+	goneFromListener := steering.Conn{Local: netip.AddrPortFrom(netip.IPv6Loopback(), uint16(listener.Addr().(*net.TCPAddr).Port)),
+		Remote: netip.MustParseAddrPort("[::1]:2")}
+
+	closed, err := newNetlinkTarget().CloseConnections("/var/run/netns/"+ns.Name, []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.IPv6Loopback()},
+		[]steering.Conn{ends(v4), goneFromListener, ends(v6), gone})
+	if err != nil || closed != 2 {
+		t.Fatalf("closed %d, %v; want the IPv4 and the IPv6 connection", closed, err)
+	}
+	for _, p := range []pair{v4, v6} {
+		p.pod.SetReadDeadline(time.Now().Add(time.Second))
+		if _, err := p.pod.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Errorf("%s -> %s: read %v, want the connection aborted", p.pod.LocalAddr(), p.pod.RemoteAddr(), err)
+		}
+	}
+	must(t, ns.Do(func() error {
+		c, err := net.Dial("tcp6", goneFromListener.Local.String())
+		if err == nil {
+			c.Close()
+		}
+		return err
+	}))
+	if _, err := kept.pod.Write([]byte("x")); err != nil {
+		t.Fatalf("the connection not named: %v", err)
+	}
+	kept.peer.SetReadDeadline(time.Now().Add(time.Second))
+	if _, err := kept.peer.Read(make([]byte, 1)); err != nil {
+		t.Errorf("the connection not named does not carry data: %v", err)
+	}
+}
