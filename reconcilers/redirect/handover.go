@@ -10,6 +10,8 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -28,10 +30,14 @@ import (
 // In another mode, what an earlier agent of the l2 mode left pinned under
 // --bpf-root goes on steering pods' TCP to the l2 mTLS agent's namespace,
 // past the other mode's redirection (the BPF twin of Cilium #47303). It
-// is handed over pod by pod: an enrolled pod's entries stay until the
-// active mode steers it (with no l2 mTLS agent left, its connections are
-// dropped meanwhile, never sent in clear), then become local ones, which
-// the programs pass; once no pod is left, the links and maps go.
+// is handed over pod by pod. An enrolled pod's entries stay until the
+// active mode steers it: its new connections go to the l2 mTLS agent, or
+// nowhere once it is gone, never in clear. Then the connections that
+// agent held for the pod are closed in the pod (their ends there may live
+// on, a pooled connection whose peer is gone, and their next segment
+// would leave in clear once no entry drops it), and the entries become
+// local ones, which the programs pass. Once no pod is left, links and
+// maps go.
 
 type handoverParams struct {
 	cell.In
@@ -43,6 +49,7 @@ type handoverParams struct {
 	Pods        statedb.Table[*tables.Pod]
 	CNIPods     statedb.Table[*tables.CNIPod]
 	Enrollments statedb.Table[*enrollment.Enrollment]
+	Pinned      *PinnedState
 	Log         *slog.Logger
 	Jobs        job.Group
 }
@@ -60,9 +67,14 @@ func registerHandover(p handoverParams) {
 
 type handover struct{ handoverParams }
 
-// handoverSettle lets the active mode's tables settle (many rows change
-// at once) before the map is read again.
-const handoverSettle = 100 * time.Millisecond
+const (
+	// handoverSettle lets the active mode's tables settle (many rows
+	// change at once) before the map is read again.
+	handoverSettle = 100 * time.Millisecond
+	// handoverPatience is how long pods may wait for the active mode
+	// before the module's health says which.
+	handoverPatience = 2 * time.Minute
+)
 
 func (h *handover) run(ctx context.Context, health cell.Health) error {
 	root := h.Config.BPFRoot
@@ -80,90 +92,223 @@ func (h *handover) run(ctx context.Context, health cell.Health) error {
 	if err := h.handOver(ctx, health); err != nil {
 		return fmt.Errorf("the l2 mode's pins under %s: %w", root, err)
 	}
-	health.OK("nothing of the l2 mode pinned")
 	return nil
 }
 
-// handOver releases the pods' entries as the active mode steers them,
-// then the pins.
+// handOver releases the pods as the active mode steers them, then the
+// pins.
 func (h *handover) handOver(ctx context.Context, health cell.Health) error {
 	root := h.Config.BPFRoot
 	mode, err := h.Modes.Active()
 	if err != nil {
 		return err
 	}
-	m, err := ebpf.LoadPinnedMap(filepath.Join(root, bpf.MapName), nil)
+	maps, err := openL2Maps(root)
 	if err != nil {
-		// Links without their map (removed by hand), or a map of another
-		// layout: nothing to release pod by pod.
-		h.Log.Warn("Releasing the l2 mode's pins at once: its map cannot be read", "root", root, "error", err)
-		return removeL2Pins(h.Log, root)
+		// Removed by hand, or of another layout: the programs, which
+		// hold the map, still steer by it. Nothing to release pod by pod:
+		// the pins go once the active mode steers every enrolled pod.
+		h.Log.Warn("The l2 mode's maps cannot be read: its pins go once every enrolled pod is steered", "root", root, "error", err)
 	}
-	defer m.Close()
-	redirects := bpf.NewRedirectMap(m)
+	defer maps.close()
 	if !reconcilers.WaitInitialized(ctx, health, h.DB, append([]statedb.TableMeta{h.Pods, h.CNIPods, h.Enrollments}, mode.Tables()...)...) {
 		return ctx.Err()
 	}
 	ws := statedb.NewWatchSet()
+	var waitingSince time.Time
 	for {
 		txn := h.DB.ReadTxn()
-		owners, waiting, watch := h.pods(txn, mode)
-		entries, err := redirects.Dump()
+		pods, watch := h.podsOfNode(txn, mode)
+		held, err := h.release(txn, mode, maps, pods)
 		if err != nil {
 			return err
 		}
-		held := 0
-		for addr, e := range entries {
-			switch {
-			case e.Kind != bpf.KindEnrolled:
-			case waiting[addr]:
-				held++
-			default:
-				if err := redirects.Update(addr, bpf.Entry{Kind: bpf.KindLocal, NetnsID: bpf.NoNetns}); err != nil {
-					return fmt.Errorf("release %s: %w", addr, err)
-				}
-				h.Log.Info("Released an address from the l2 datapath: the active mode steers its pod, or no enrolled pod has it",
-					"addr", addr, "pod", owners[addr], "mode", mode.Name())
-			}
-		}
-		if held == 0 {
+		if len(held) == 0 {
 			return removeL2Pins(h.Log, root)
 		}
-		health.OK(fmt.Sprintf("%d addresses of enrolled pods left with the l2 datapath until the %s mode steers them", held, mode.Name()))
+		if waitingSince.IsZero() {
+			waitingSince = time.Now()
+		}
+		msg := fmt.Sprintf("%d enrolled pods left with the l2 datapath until the %s mode steers them", len(held), mode.Name())
+		if time.Since(waitingSince) > handoverPatience {
+			health.Degraded(msg, fmt.Errorf("waiting for %s since %s", strings.Join(held[:min(len(held), 10)], ", "), waitingSince.Format(time.RFC3339)))
+		} else {
+			health.OK(msg)
+		}
 		ws.Clear()
 		ws.Add(watch...)
-		if _, err := ws.Wait(ctx, handoverSettle); err != nil {
-			return err // stopping
+		// Woken at the latest when patience runs out, to say so.
+		waitCtx, cancel := ctx, context.CancelFunc(func() {})
+		if deadline := waitingSince.Add(handoverPatience); time.Now().Before(deadline) {
+			waitCtx, cancel = context.WithDeadline(ctx, deadline)
+		}
+		ws.Wait(waitCtx, handoverSettle)
+		cancel()
+		if ctx.Err() != nil {
+			return ctx.Err()
 		}
 	}
 }
 
-// pods tells, of this node's pods, who has each address, and which
-// addresses are of enrolled pods the active mode does not steer yet.
-func (h *handover) pods(txn statedb.ReadTxn, mode steering.Mode) (owners map[netip.Addr]string, waiting map[netip.Addr]bool, watch []<-chan struct{}) {
-	owners, waiting = map[netip.Addr]string{}, map[netip.Addr]bool{}
+// nodePod is a pod of this node as the hand-over sees it.
+type nodePod struct {
+	key string
+	// addrs are its addresses, its CNI report's and the API's: the map
+	// holds the API's, the new mode steers the report's.
+	addrs []netip.Addr
+	// waiting: enrolled, and not steered by the active mode yet (or its
+	// enrollment not derived yet).
+	waiting bool
+}
+
+// podsOfNode returns this node's pods by address.
+func (h *handover) podsOfNode(txn statedb.ReadTxn, mode steering.Mode) (map[netip.Addr]*nodePod, []<-chan struct{}) {
+	byAddr := map[netip.Addr]*nodePod{}
 	pods, podsWatch := h.Pods.ListWatch(txn, tables.PodsOfThisNode())
 	_, cniWatch := h.CNIPods.AllWatch(txn)
 	_, enrollWatch := h.Enrollments.AllWatch(txn)
 	for pod := range pods {
-		// The map holds the addresses the API showed, a new sandbox's
-		// may be only in its CNI report.
-		addrs := append(tables.PodAddrs(txn, h.CNIPods, pod), pod.IPs...)
-		for _, a := range addrs {
-			owners[a.Unmap()] = pod.Key()
+		reported := tables.PodAddrs(txn, h.CNIPods, pod)
+		p := &nodePod{key: pod.Key(), addrs: slices.Concat(reported, pod.IPs)}
+		e, _, derived := h.Enrollments.Get(txn, enrollment.ByKey(pod.Key()))
+		switch {
+		case !derived:
+			p.waiting = true
+		case !e.Enrolled || e.MTLSAgent || pod.Finished():
+		default:
+			s, _ := mode.Steering(txn, pod.Key(), steering.Sandbox{IPs: reported})
+			p.waiting = s != steering.Steered
 		}
-		e, _, ok := h.Enrollments.Get(txn, enrollment.ByKey(pod.Key()))
-		if !ok || !e.Enrolled || e.MTLSAgent || pod.Finished() {
-			continue
-		}
-		if s, _ := mode.Steering(txn, pod.Key(), steering.Sandbox{IPs: addrs}); s == steering.Steered {
-			continue
-		}
-		for _, a := range addrs {
-			waiting[a.Unmap()] = true
+		for _, a := range p.addrs {
+			// A waiting pod keeps an address another pod claims too.
+			if other, ok := byAddr[a.Unmap()]; !ok || !other.waiting {
+				byAddr[a.Unmap()] = p
+			}
 		}
 	}
-	return owners, waiting, append([]<-chan struct{}{podsWatch, cniWatch, enrollWatch}, mode.Watch(txn)...)
+	return byAddr, append([]<-chan struct{}{podsWatch, cniWatch, enrollWatch}, mode.Watch(txn)...)
+}
+
+// release releases the enrolled entries of the pods no longer waiting,
+// once the connections the l2 mTLS agent held for them are closed, and
+// those of no pod once their interface is gone. It returns the pods
+// left waiting.
+func (h *handover) release(txn statedb.ReadTxn, mode steering.Mode, maps *l2Maps, pods map[netip.Addr]*nodePod) ([]string, error) {
+	var held []string
+	hold := func(pod string) {
+		if !slices.Contains(held, pod) {
+			held = append(held, pod)
+		}
+	}
+	if maps == nil {
+		for _, p := range pods {
+			if p.waiting {
+				hold(p.key)
+			}
+		}
+		return held, nil
+	}
+	entries, err := maps.redirects.Dump()
+	if err != nil {
+		return nil, err
+	}
+	releasing := map[*nodePod][]netip.Addr{}
+	for addr, e := range entries {
+		if e.Kind != bpf.KindEnrolled {
+			continue
+		}
+		p, owned := pods[addr]
+		switch {
+		case !owned:
+			// A pod the API no longer shows, whose sandbox may still run
+			// (a forced deletion): released once its interface is gone.
+			if _, _, err := h.Pinned.Interface(int(e.Ifindex)); errors.Is(err, os.ErrNotExist) {
+				if err := h.releaseAddr(maps, addr, "no pod has it and its interface is gone", ""); err != nil {
+					return nil, err
+				}
+			} else {
+				hold(addr.String())
+			}
+		case p.waiting:
+			hold(p.key)
+		default:
+			releasing[p] = append(releasing[p], addr)
+		}
+	}
+	if len(releasing) == 0 {
+		return held, nil
+	}
+	conns, err := bpf.ProxiedConns(maps.proxied)
+	if err != nil {
+		return nil, err
+	}
+	closer, _ := mode.(steering.ConnectionCloser)
+	for p, addrs := range releasing {
+		var theirs []steering.Conn
+		for _, c := range conns {
+			if slices.Contains(p.addrs, c.Src.Addr()) {
+				theirs = append(theirs, steering.Conn{Local: c.Src, Remote: c.Dst})
+			}
+		}
+		if len(theirs) > 0 && closer != nil {
+			closed, err := closer.CloseConnections(txn, p.key, theirs)
+			if err != nil {
+				// Kept, and tried again at the next change: passed, they
+				// would send in clear.
+				h.Log.Warn("Cannot close the connections the l2 mTLS agent held for a pod: it stays with the l2 datapath",
+					"pod", p.key, "connections", len(theirs), "error", err)
+				hold(p.key)
+				continue
+			}
+			h.Log.Info("Closed the pod's connections the l2 mTLS agent held", "pod", p.key, "closed", closed, "known", len(theirs))
+		}
+		for _, addr := range addrs {
+			if err := h.releaseAddr(maps, addr, "the "+mode.Name()+" mode steers its pod", p.key); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return held, nil
+}
+
+func (h *handover) releaseAddr(maps *l2Maps, addr netip.Addr, why, pod string) error {
+	if err := maps.redirects.Update(addr, bpf.Entry{Kind: bpf.KindLocal, NetnsID: bpf.NoNetns}); err != nil {
+		return fmt.Errorf("release %s: %w", addr, err)
+	}
+	h.Log.Info("Released an address from the l2 datapath", "addr", addr, "pod", pod, "why", why)
+	return nil
+}
+
+// l2Maps are the l2 mode's pinned maps, checked to be of this version's
+// layout.
+type l2Maps struct {
+	redirects *bpf.RedirectMap
+	proxied   *ebpf.Map
+}
+
+func openL2Maps(root string) (*l2Maps, error) {
+	redirects, err := ebpf.LoadPinnedMap(filepath.Join(root, bpf.MapName), nil)
+	if err != nil {
+		return nil, err
+	}
+	proxied, err := ebpf.LoadPinnedMap(filepath.Join(root, bpf.ProxiedMapName), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		redirects.Close()
+		return nil, err
+	}
+	m := &l2Maps{redirects: bpf.NewRedirectMap(redirects), proxied: proxied}
+	if err := bpf.CheckMaps(redirects, proxied); err != nil {
+		m.close()
+		return nil, err
+	}
+	return m, nil
+}
+
+func (m *l2Maps) close() {
+	if m != nil {
+		m.redirects.Map().Close()
+		m.proxied.Close()
+	}
 }
 
 // l2Pinned tells whether anything of ours is pinned under root.

@@ -6,9 +6,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -32,13 +34,14 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )
 
-// TestOtherModeContributesNothing: an agent in another mode
+// TestOtherModeTakesOverPodByPod: an agent in another mode
 // (--redirect-mode=inpod) loads no program and writes no entry, and takes
 // over what an l2 agent left pinned pod by pod: an enrolled pod's TCP goes
 // on to the l2 mTLS agent until the in-pod mode steers the pod (never
-// directly, in clear), then directly; once no pod is left, the map and
-// links are gone.
-func TestOtherModeContributesNothing(t *testing.T) {
+// directly, in clear); then the in-pod mode is asked to close the pod's
+// connections that agent held, and the pod's TCP goes directly; once no
+// pod is left, the map and links are gone.
+func TestOtherModeTakesOverPodByPod(t *testing.T) {
 	c := newCluster(t)
 	c.write(t, manifest{enrollA: true, enrollN: true, withAgent: true})
 	first := c.startAgent(t)
@@ -53,6 +56,14 @@ func TestOtherModeContributesNothing(t *testing.T) {
 			t.Fatalf("in l2 mode, %s -> r: %v %v, want the agent", p.Name, got, err)
 		}
 	}
+	// A connection of a's that the agent holds, left open.
+	var held net.Conn
+	must(t, c.a.Do(func() (err error) {
+		held, err = net.Dial("tcp", netip.AddrPortFrom(c.r.IP6, 8080).String())
+		return err
+	}))
+	defer held.Close()
+	heldConn := steering.Conn{Local: netip.MustParseAddrPort(held.LocalAddr().String()), Remote: netip.MustParseAddrPort(held.RemoteAddr().String())}
 	first.stop(t)
 
 	root := filepath.Join(c.bpfRoot, "agent")
@@ -115,6 +126,9 @@ func TestOtherModeContributesNothing(t *testing.T) {
 	if got, err := c.n.Ask(netip.AddrPortFrom(c.r.IP6, 8080)); err != nil || got.Server != "r" {
 		t.Errorf("n steered by the in-pod mode, n -> r: %v %v, want r directly", got, err)
 	}
+	if closed := inPod.Closed("app/a"); len(closed) > 0 {
+		t.Errorf("a's connections closed before the in-pod mode steers a: %v", closed)
+	}
 
 	// a too: nothing is left to hand over, the pins go.
 	inPod.Steer("app/a")
@@ -131,6 +145,9 @@ func TestOtherModeContributesNothing(t *testing.T) {
 	})
 	if got, err := c.a.Ask(netip.AddrPortFrom(c.r.IP4, 8080)); err != nil || got.Server != "r" {
 		t.Errorf("in the in-pod mode, a -> r: %v %v, want r directly", got, err)
+	}
+	if closed := inPod.Closed("app/a"); !slices.Contains(closed, heldConn) {
+		t.Errorf("the in-pod mode was asked to close %v of a's connections, want the one the agent held, %v", closed, heldConn)
 	}
 	if n := redirects.NumObjects(db.ReadTxn()); n != 0 {
 		t.Errorf("%d redirects in another mode", n)

@@ -9,7 +9,6 @@ import (
 	"github.com/vishvananda/netns"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/nsthread"
-	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
 // NodeNetns is the network namespace of the node's devices: the agent's own
@@ -25,12 +24,13 @@ type nodeNetnsParams struct {
 
 	Lifecycle cell.Lifecycle
 	Config    Config
-	Mode      steering.Config `optional:"true"`
 }
 
 func newNodeNetns(p nodeNetnsParams) (*NodeNetns, error) {
 	lc, cfg := p.Lifecycle, p.Config
-	if cfg.NodeNetns == "" || !cfg.EnableRedirect || inactive(p.Mode) {
+	// Opened in another mode too: the hand-over of the l2 pins looks for
+	// the pods' interfaces there.
+	if cfg.NodeNetns == "" || !cfg.EnableRedirect {
 		return &NodeNetns{handle: netns.None()}, nil
 	}
 	h, err := netns.GetFromPath(cfg.NodeNetns)
