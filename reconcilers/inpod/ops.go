@@ -118,12 +118,14 @@ func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*Redirection, statedb.Revision]) error {
 	wanted := o.wanted(rows)
 	var paths []string
+	handedOver := map[string]bool{}
 	awaiting := 0
 	for row := range o.cniPods.All(txn) {
 		if row.Netns == "" || slices.Contains(paths, row.Netns) || o.sandboxOutlives(txn, row.Pod, row.UID) {
 			continue
 		}
-		if o.awaitsOtherMode(txn, row) {
+		switch o.otherModeOf(txn, row) {
+		case awaitsOtherMode:
 			// Protected by identity, as a row's namespace: another path
 			// (a stale report's) may name it.
 			if id, held := o.holdsRedirection(row.Netns); held {
@@ -131,6 +133,8 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 				awaiting++
 			}
 			continue
+		case steeredByOtherMode:
+			handedOver[row.Netns] = true
 		}
 		paths = append(paths, row.Netns)
 	}
@@ -165,6 +169,21 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		if !present {
 			continue
 		}
+		if handedOver[path] {
+			// The pod's connections ztunnel held (outbound ones NATed to
+			// it, inbound ones it opened in a client's name) may live on
+			// in the pod, their peer gone; without the rules, their next
+			// segment, or a reply once conntrack forgot them, would leave
+			// in clear, past the new mode, which steers new connections
+			// only. Closed while the rules are in: the resets go to
+			// ztunnel's side, not out of the pod.
+			closed, err := o.target.CloseAll(path, id)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("netns %s: close the connections ztunnel held: %w", path, err))
+				continue
+			}
+			o.log.Info("Closed the pod's connections of the in-pod redirection", "netns", path, "closed", closed)
+		}
 		o.log.Info("Pruning an in-pod redirection no enrolled pod asks for", "netns", path)
 		errs = append(errs, o.target.Remove(path, id))
 	}
@@ -180,25 +199,39 @@ func (o *RulesOps) sandboxOutlives(txn statedb.ReadTxn, key, uid string) bool {
 	return !found || !pod.MatchesUID(uid) || pod.Finished()
 }
 
-// awaitsOtherMode reports whether the sandbox of the report is an
-// enrolled pod's that the active mode, another than this one (the node
-// switched to l2), does not steer yet: removed now, its redirection would
-// leave the pod sending in clear until that mode steers it. A prune once
-// it does removes it (pruneOnceSteered). A mode switched off steers
-// nothing, ever: there is nothing to wait for.
-func (o *RulesOps) awaitsOtherMode(txn statedb.ReadTxn, report *tables.CNIPod) bool {
+// otherMode is where the pod of a report stands with the active mode
+// when that is another than this one (the node switched to l2).
+type otherMode int
+
+const (
+	// notOtherMode: the in-pod mode is active, the pod is not enrolled
+	// (or is the mTLS agent), or the active mode is switched off and
+	// steers nothing, ever: nothing to wait for.
+	notOtherMode otherMode = iota
+	// awaitsOtherMode: an enrolled pod the active mode does not steer
+	// yet: removed now, its redirection would leave the pod sending in
+	// clear until that mode steers it. A prune once it does removes it
+	// (pruneOnceSteered).
+	awaitsOtherMode
+	// steeredByOtherMode: an enrolled pod the active mode steers.
+	steeredByOtherMode
+)
+
+func (o *RulesOps) otherModeOf(txn statedb.ReadTxn, report *tables.CNIPod) otherMode {
 	if o.active.Name() == steering.ModeInPod {
-		return false
+		return notOtherMode
 	}
 	if d, ok := o.active.(steering.Disabler); ok && d.Disabled() {
-		return false
+		return notOtherMode
 	}
 	e, _, ok := o.enrollments.Get(txn, enrollment.ByKey(report.Pod))
 	if !ok || !e.Enrolled || e.MTLSAgent {
-		return false
+		return notOtherMode
 	}
-	s, _ := o.active.Steering(txn, report.Pod, steering.Sandbox{IPs: report.IPs, Netns: report.Netns})
-	return s != steering.Steered
+	if s, _ := o.active.Steering(txn, report.Pod, steering.Sandbox{IPs: report.IPs, Netns: report.Netns}); s != steering.Steered {
+		return awaitsOtherMode
+	}
+	return steeredByOtherMode
 }
 
 // holdsRedirection reports whether the namespace at path holds a

@@ -67,7 +67,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	socket := filepath.Join(dir, "ztunnel.sock")
-	target := &fakeTarget{namespaces: map[string][]netip.Addr{}, ids: map[string]uint64{}, aliases: map[string]string{}, rules: map[string]bool{}, altered: map[string]bool{}}
+	target := &fakeTarget{namespaces: map[string][]netip.Addr{}, ids: map[string]uint64{}, aliases: map[string]string{}, rules: map[string]bool{}, altered: map[string]bool{}, emptied: map[string]bool{}}
 	var modes steering.Modes
 	var db *statedb.DB
 	l2 := steeringtest.New(steering.ModeL2)
@@ -168,6 +168,8 @@ type fakeTarget struct {
 	aliases    map[string]string
 	rules      map[string]bool
 	altered    map[string]bool
+	// emptied are the namespaces whose connections were all closed.
+	emptied map[string]bool
 }
 
 // resolve returns the path under which the namespace path names is kept.
@@ -259,6 +261,15 @@ func (f *fakeTarget) CloseConnections(path string, _ []netip.Addr, _ []steering.
 	return 0, nil
 }
 
+func (f *fakeTarget) CloseAll(path string, _ inpod.NetnsID) (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.namespaces[f.resolve(path)]; ok {
+		f.emptied[f.resolve(path)] = true
+	}
+	return 0, nil
+}
+
 func (f *fakeTarget) commands() map[string]script.Cmd {
 	return map[string]script.Cmd{
 		"netns/add": script.Command(
@@ -302,18 +313,22 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 		"netns/put-rules": f.pathCommand("the redirection is in PATH (left by an earlier agent)", func(path string) {
 			f.rules[path] = true
 		}),
-		"netns/rules": script.Command(
-			script.CmdUsage{Summary: "list the namespaces holding the redirection"},
-			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				f.mu.Lock()
-				defer f.mu.Unlock()
-				out := ""
-				for _, p := range slices.Sorted(maps.Keys(f.rules)) {
-					out += p + "\n"
-				}
-				return func(*script.State) (string, string, error) { return out, "", nil }, nil
-			}),
+		"netns/rules":   f.listCommand("list the namespaces holding the redirection", f.rules),
+		"netns/emptied": f.listCommand("list the namespaces whose connections were all closed", f.emptied),
 	}
+}
+
+func (f *fakeTarget) listCommand(summary string, set map[string]bool) script.Cmd {
+	return script.Command(script.CmdUsage{Summary: summary},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			out := ""
+			for _, p := range slices.Sorted(maps.Keys(set)) {
+				out += p + "\n"
+			}
+			return func(*script.State) (string, string, error) { return out, "", nil }, nil
+		})
 }
 
 // ztunnels are ZDS clients of the script, by name.

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"net/netip"
 	"slices"
 
 	"github.com/vishvananda/netlink/nl"
@@ -34,7 +35,7 @@ func listeningPorts(h netns.NsHandle, ports []uint16) (map[uint16]bool, error) {
 	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
 		req := nl.NewNetlinkRequest(nl.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP)
 		req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: sock}}
-		req.AddData(listenersRequest{family: family})
+		req.AddData(statesRequest{family: family, states: 1 << tcpListen})
 		err := req.ExecuteIter(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY, func(msg []byte) bool {
 			// struct inet_diag_msg: family, state, timer, retrans, then
 			// the socket id, its source port first (network order).
@@ -59,21 +60,24 @@ func listeningPorts(h netns.NsHandle, ports []uint16) (map[uint16]bool, error) {
 	return listening, nil
 }
 
-// listenersRequest is an inet_diag_req_v2 for the TCP sockets of a family
-// in state LISTEN.
-type listenersRequest struct{ family uint8 }
+// statesRequest is an inet_diag_req_v2 for the TCP sockets of a family
+// in the given states (a bit per state).
+type statesRequest struct {
+	family uint8
+	states uint32
+}
 
 // inetDiagReqV2Len is the size of struct inet_diag_req_v2: family,
 // protocol, extensions, a pad byte, the states, and a 48-byte socket id
 // (unused in a dump).
 const inetDiagReqV2Len = 56
 
-func (r listenersRequest) Len() int { return inetDiagReqV2Len }
+func (r statesRequest) Len() int { return inetDiagReqV2Len }
 
-func (r listenersRequest) Serialize() []byte {
+func (r statesRequest) Serialize() []byte {
 	b := make([]byte, inetDiagReqV2Len)
 	b[0], b[1] = r.family, unix.IPPROTO_TCP
-	binary.NativeEndian.PutUint32(b[4:8], 1<<tcpListen)
+	binary.NativeEndian.PutUint32(b[4:8], r.states)
 	return b
 }
 
@@ -160,4 +164,77 @@ func (r sockRequest) Serialize() []byte {
 	copy(b[28:44], remote.AsSlice())
 	copy(b[48:56], r.cookie[:])
 	return b
+}
+
+// connectionStates are the TCP states of a connection that can still
+// carry data either way (not listening, closed or in TIME_WAIT).
+const connectionStates = 1<<1 | 1<<2 | 1<<3 | 1<<4 | 1<<5 | 1<<8 | 1<<9 | 1<<11
+
+// closeAll aborts every TCP connection of the namespace, each as the
+// dump shows it (by its cookie), and returns how many there were. The
+// dump is read as it comes: the pod decides how many it holds.
+func closeAll(h netns.NsHandle) (int, error) {
+	dump, err := nl.GetNetlinkSocketAt(h, netns.None(), unix.NETLINK_INET_DIAG)
+	if err != nil {
+		return 0, err
+	}
+	defer dump.Close()
+	destroy, err := nl.GetNetlinkSocketAt(h, netns.None(), unix.NETLINK_INET_DIAG)
+	if err != nil {
+		return 0, err
+	}
+	defer destroy.Close()
+	closed := 0
+	var errs []error
+	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
+		req := nl.NewNetlinkRequest(nl.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP)
+		req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: dump}}
+		req.AddData(statesRequest{family: family, states: connectionStates})
+		err := req.ExecuteIter(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY, func(msg []byte) bool {
+			r, ok := parseDiagMsg(msg)
+			if !ok {
+				return true
+			}
+			d := nl.NewNetlinkRequest(nl.SOCK_DESTROY, unix.NLM_F_ACK)
+			d.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: destroy}}
+			d.AddData(r)
+			switch _, err := d.Execute(unix.NETLINK_INET_DIAG, 0); {
+			case err == nil:
+				closed++
+			case errors.Is(err, unix.ENOENT):
+			default:
+				errs = append(errs, fmt.Errorf("close %s -> %s: %w", r.conn.Local, r.conn.Remote, err))
+			}
+			return len(errs) < 10
+		})
+		switch {
+		case err != nil && family == unix.AF_INET6 && closed == 0 && len(errs) == 0:
+			// IPv6 disabled.
+		case err != nil:
+			errs = append(errs, err)
+		}
+	}
+	return closed, errors.Join(errs...)
+}
+
+// parseDiagMsg reads the socket of a struct inet_diag_msg: family, state,
+// timer, retrans, then the socket id (ports and addresses in network
+// order, the interface, the cookie).
+func parseDiagMsg(msg []byte) (sockRequest, bool) {
+	if len(msg) < inetDiagMsgCookieEnd {
+		return sockRequest{}, false
+	}
+	addr := func(b []byte) netip.Addr {
+		if msg[0] == unix.AF_INET {
+			return netip.AddrFrom4([4]byte(b[:4]))
+		}
+		return netip.AddrFrom16([16]byte(b[:16]))
+	}
+	return sockRequest{
+		conn: steering.Conn{
+			Local:  netip.AddrPortFrom(addr(msg[8:24]), binary.BigEndian.Uint16(msg[4:6])),
+			Remote: netip.AddrPortFrom(addr(msg[24:40]), binary.BigEndian.Uint16(msg[6:8])),
+		},
+		cookie: [8]byte(msg[44:52]),
+	}, true
 }

@@ -76,3 +76,60 @@ func TestCloseConnections(t *testing.T) {
 		t.Errorf("the connection not named does not carry data: %v", err)
 	}
 }
+
+// TestCloseAll: every connection of the namespace is aborted, both of
+// its ends where both are in it, IPv4 and IPv6; listeners stay.
+func TestCloseAll(t *testing.T) {
+	netnstest.RequirePrivileged(t)
+	ns := netnstest.NewNS(t, "closeall")
+	var conns []net.Conn
+	var listeners []net.Listener
+	for _, c := range []struct{ network, addr string }{{"tcp4", "127.0.0.1:0"}, {"tcp6", "[::1]:0"}} {
+		l := listenAt(t, ns, c.network, c.addr)
+		listeners = append(listeners, l)
+		accepted := make(chan net.Conn, 1)
+		go func() {
+			if c, err := l.Accept(); err == nil {
+				accepted <- c
+			}
+		}()
+		must(t, ns.Do(func() error {
+			pod, err := net.Dial(c.network, l.Addr().String())
+			if err == nil {
+				t.Cleanup(func() { pod.Close() })
+				conns = append(conns, pod)
+			}
+			return err
+		}))
+		peer := <-accepted
+		t.Cleanup(func() { peer.Close() })
+		conns = append(conns, peer)
+	}
+	path := "/var/run/netns/" + ns.Name
+	target := newNetlinkTarget()
+	id, err := target.Identify(path)
+	must(t, err)
+	// An end aborted resets the other (loopback): gone before its turn,
+	// it is not counted.
+	if closed, err := target.CloseAll(path, id); err != nil || closed < 2 || closed > 4 {
+		t.Fatalf("closed %d, %v; want both connections", closed, err)
+	}
+	for _, c := range conns {
+		c.SetReadDeadline(time.Now().Add(time.Second))
+		if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Errorf("%s -> %s: read %v, want the connection aborted", c.LocalAddr(), c.RemoteAddr(), err)
+		}
+	}
+	for _, l := range listeners {
+		must(t, ns.Do(func() error {
+			c, err := net.Dial("tcp", l.Addr().String())
+			if err == nil {
+				c.Close()
+			}
+			return err
+		}))
+	}
+	if closed, err := target.CloseAll(path, NetnsID{Dev: id.Dev, Ino: id.Ino + 1}); err != nil || closed != 0 {
+		t.Errorf("another namespace's identity: closed %d, %v; want nothing (the one at the path is not it)", closed, err)
+	}
+}

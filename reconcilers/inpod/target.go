@@ -43,6 +43,10 @@ type Target interface {
 	// CloseConnections aborts the namespace's TCP sockets of conns
 	// (checked to hold ips) and returns how many there were.
 	CloseConnections(path string, ips []netip.Addr, conns []steering.Conn) (int, error)
+	// CloseAll aborts every TCP connection of the namespace id, at path
+	// (listeners stay), and returns how many there were; a namespace that
+	// is gone has none.
+	CloseAll(path string, id NetnsID) (int, error)
 }
 
 // NetnsID identifies a network namespace, whatever path names it: its
@@ -131,6 +135,20 @@ func (netlinkTarget) CloseConnections(path string, ips []netip.Addr, conns []ste
 		closed, err = closeConnections(h, conns)
 		return err
 	})
+	return closed, err
+}
+
+func (netlinkTarget) CloseAll(path string, id NetnsID) (closed int, err error) {
+	err = inPodNetns(path, nil, func(h netns.NsHandle) error {
+		if err := sameNetns(h, path, id); err != nil {
+			return err
+		}
+		closed, err = closeAll(h)
+		return err
+	})
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, nil
+	}
 	return closed, err
 }
 
