@@ -74,6 +74,8 @@ const (
 	// handoverPatience is how long pods may wait for the active mode
 	// before the module's health says which.
 	handoverPatience = 2 * time.Minute
+	// handoverRecheck bounds a wait for a change of the tables.
+	handoverRecheck = 5 * time.Second
 )
 
 func (h *handover) run(ctx context.Context, health cell.Health) error {
@@ -137,11 +139,10 @@ func (h *handover) handOver(ctx context.Context, health cell.Health) error {
 		}
 		ws.Clear()
 		ws.Add(watch...)
-		// Woken at the latest when patience runs out, to say so.
-		waitCtx, cancel := ctx, context.CancelFunc(func() {})
-		if deadline := waitingSince.Add(handoverPatience); time.Now().Before(deadline) {
-			waitCtx, cancel = context.WithDeadline(ctx, deadline)
-		}
+		// Woken anyway now and then: a pod gone from the API is released
+		// once its interface is, which no table says, and patience runs
+		// out.
+		waitCtx, cancel := context.WithTimeout(ctx, handoverRecheck)
 		ws.Wait(waitCtx, handoverSettle)
 		cancel()
 		if ctx.Err() != nil {

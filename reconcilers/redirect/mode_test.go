@@ -44,18 +44,7 @@ import (
 func TestOtherModeTakesOverPodByPod(t *testing.T) {
 	c := newCluster(t)
 	c.write(t, manifest{enrollA: true, enrollN: true, withAgent: true})
-	first := c.startAgent(t)
-	done := reconciler.StatusKindDone
-	first.waitFor(t, "a and n steered", func(txn statedb.ReadTxn) bool {
-		return first.redirectIs(txn, c.a.IP4, bpf.KindEnrolled, done) && first.redirectIs(txn, c.n.IP6, bpf.KindEnrolled, done) &&
-			first.redirectIs(txn, bpf.AgentKey, bpf.KindAgent, done) &&
-			first.attachmentIs(txn, c.a.HostIf, done) && first.attachmentIs(txn, c.n.HostIf, done)
-	})
-	for _, p := range []*netnstest.Pod{c.a, c.n} {
-		if got, err := p.Ask(netip.AddrPortFrom(c.r.IP4, 8080)); err != nil || got.Server != "agent" {
-			t.Fatalf("in l2 mode, %s -> r: %v %v, want the agent", p.Name, got, err)
-		}
-	}
+	c.steerInL2(t, c.a, c.n)
 	// A connection of a's that the agent holds, left open.
 	var held net.Conn
 	must(t, c.a.Do(func() (err error) {
@@ -64,61 +53,13 @@ func TestOtherModeTakesOverPodByPod(t *testing.T) {
 	}))
 	defer held.Close()
 	heldConn := steering.Conn{Local: netip.MustParseAddrPort(held.LocalAddr().String()), Remote: netip.MustParseAddrPort(held.RemoteAddr().String())}
-	first.stop(t)
-
-	root := filepath.Join(c.bpfRoot, "agent")
-	inPod := steeringtest.New(steering.ModeInPod)
-	var redirects statedb.Table[*redirect.Redirect]
-	var db *statedb.DB
-	h := hive.New(cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, redirect.Cell,
-		// The in-pod mode has tests of its own; here it steers what the
-		// test says.
-		cell.Provide(inPod.Out),
-		cell.Invoke(func(d *statedb.DB, r statedb.Table[*redirect.Redirect]) { db, redirects = d, r }))
-	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
-	h.RegisterFlags(flags)
-	must(t, flags.Parse([]string{"--source=dir:" + c.manifests, "--node-name=node-a", "--bpf-root=" + root,
-		"--node-netns=/var/run/netns/" + c.node1.Name, "--devices=" + netnstest.UplinkName, "--redirect-mode=inpod"}))
-	log := hivetest.Logger(t)
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-	defer cancel()
-	must(t, h.Start(log, ctx))
-	t.Cleanup(func() { h.Stop(log, context.Background()) })
-	m, err := ebpf.LoadPinnedMap(filepath.Join(root, bpf.MapName), &ebpf.LoadPinOptions{ReadOnly: true})
-	must(t, err)
-	defer m.Close()
-	entries := bpf.NewRedirectMap(m)
-	kindOf := func(addr netip.Addr) bpf.Kind {
-		e, _, err := entries.Lookup(addr)
-		must(t, err)
-		return e.Kind
-	}
-	eventually := func(what string, cond func() error) {
-		t.Helper()
-		deadline := time.Now().Add(waitTimeout)
-		for err := cond(); err != nil; err = cond() {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: %v", what, err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
+	o := c.startOtherMode(t)
 
 	// n steered by the in-pod mode: its entries are released, a's stay.
-	inPod.Steer("app/n")
-	eventually("n released", func() error {
-		for _, ip := range []netip.Addr{c.n.IP4, c.n.IP6} {
-			if k := kindOf(ip); k != bpf.KindLocal {
-				return fmt.Errorf("n's %s is %s", ip, k)
-			}
-		}
-		return nil
-	})
-	for _, ip := range []netip.Addr{c.a.IP4, c.a.IP6} {
-		if k := kindOf(ip); k != bpf.KindEnrolled {
-			t.Errorf("a's %s is %s before the in-pod mode steers a, want enrolled", ip, k)
-		}
+	o.inPod.Steer("app/n")
+	o.eventually(t, "n released", func() error { return o.entriesAre(c.n, bpf.KindLocal) })
+	if err := o.entriesAre(c.a, bpf.KindEnrolled); err != nil {
+		t.Errorf("before the in-pod mode steers a: %v", err)
 	}
 	if got, err := c.a.Ask(netip.AddrPortFrom(c.r.IP4, 8080)); err != nil || got.Server != "agent" {
 		t.Errorf("a not yet steered by the in-pod mode, a -> r: %v %v, want the l2 agent still", got, err)
@@ -126,33 +67,142 @@ func TestOtherModeTakesOverPodByPod(t *testing.T) {
 	if got, err := c.n.Ask(netip.AddrPortFrom(c.r.IP6, 8080)); err != nil || got.Server != "r" {
 		t.Errorf("n steered by the in-pod mode, n -> r: %v %v, want r directly", got, err)
 	}
-	if closed := inPod.Closed("app/a"); len(closed) > 0 {
+	if closed := o.inPod.Closed("app/a"); len(closed) > 0 {
 		t.Errorf("a's connections closed before the in-pod mode steers a: %v", closed)
 	}
 
 	// a too: nothing is left to hand over, the pins go.
-	inPod.Steer("app/a")
-	eventually("the l2 pins removed", func() error {
-		for _, pin := range bpf.MapPins(root) {
-			if _, err := os.Stat(pin); !errors.Is(err, os.ErrNotExist) {
-				return fmt.Errorf("%s: %v", pin, err)
-			}
-		}
-		if links, _ := os.ReadDir(filepath.Join(root, "links")); len(links) > 0 {
-			return fmt.Errorf("links %v", links)
-		}
-		return nil
-	})
+	o.inPod.Steer("app/a")
+	o.eventually(t, "the l2 pins removed", o.pinsGone)
 	if got, err := c.a.Ask(netip.AddrPortFrom(c.r.IP4, 8080)); err != nil || got.Server != "r" {
 		t.Errorf("in the in-pod mode, a -> r: %v %v, want r directly", got, err)
 	}
-	if closed := inPod.Closed("app/a"); !slices.Contains(closed, heldConn) {
+	if closed := o.inPod.Closed("app/a"); !slices.Contains(closed, heldConn) {
 		t.Errorf("the in-pod mode was asked to close %v of a's connections, want the one the agent held, %v", closed, heldConn)
 	}
-	if n := redirects.NumObjects(db.ReadTxn()); n != 0 {
+	if n := o.redirects.NumObjects(o.db.ReadTxn()); n != 0 {
 		t.Errorf("%d redirects in another mode", n)
 	}
-	if ok, _ := redirects.Initialized(db.ReadTxn()); !ok {
+	if ok, _ := o.redirects.Initialized(o.db.ReadTxn()); !ok {
 		t.Error("redirects not initialized in another mode: readiness would wait forever")
+	}
+}
+
+// TestHandOverPodGoneFromAPI: the entries of a pod the API no longer shows
+// stay while its interface is there (its sandbox may still run: a forced
+// deletion), and go with it.
+func TestHandOverPodGoneFromAPI(t *testing.T) {
+	c := newCluster(t)
+	c.write(t, manifest{enrollA: true, withAgent: true})
+	c.steerInL2(t, c.a)
+	c.write(t, manifest{withoutA: true, withAgent: true})
+	o := c.startOtherMode(t)
+	o.inPod.SteerAll()
+	time.Sleep(time.Second) // a few rounds of the hand-over
+	if err := o.entriesAre(c.a, bpf.KindEnrolled); err != nil {
+		t.Fatalf("a left the API, its interface is there: %v", err)
+	}
+	if got, err := c.a.Ask(netip.AddrPortFrom(c.r.IP4, 8080)); err != nil || got.Server != "agent" {
+		t.Errorf("a -> r: %v %v, want the l2 agent still", got, err)
+	}
+	h := c.node1.Netlink(t)
+	link, err := h.LinkByName(c.a.HostIf)
+	must(t, err)
+	must(t, h.LinkDel(link))
+	o.eventually(t, "the l2 pins removed once a's interface is gone", o.pinsGone)
+}
+
+// steerInL2 runs an agent of the l2 mode until it steers the pods, which
+// then ask the mTLS agent, and stops it: its pins stay.
+func (c *cluster) steerInL2(t *testing.T, pods ...*netnstest.Pod) {
+	t.Helper()
+	first := c.startAgent(t)
+	done := reconciler.StatusKindDone
+	first.waitFor(t, "the pods steered", func(txn statedb.ReadTxn) bool {
+		for _, p := range pods {
+			if !first.redirectIs(txn, p.IP4, bpf.KindEnrolled, done) || !first.redirectIs(txn, p.IP6, bpf.KindEnrolled, done) ||
+				!first.attachmentIs(txn, p.HostIf, done) {
+				return false
+			}
+		}
+		return first.redirectIs(txn, bpf.AgentKey, bpf.KindAgent, done)
+	})
+	for _, p := range pods {
+		if got, err := p.Ask(netip.AddrPortFrom(c.r.IP4, 8080)); err != nil || got.Server != "agent" {
+			t.Fatalf("in l2 mode, %s -> r: %v %v, want the agent", p.Name, got, err)
+		}
+	}
+	first.stop(t)
+}
+
+// otherModeAgent is an agent in the in-pod mode, whose steering the test
+// decides (the in-pod mode has tests of its own).
+type otherModeAgent struct {
+	inPod     *steeringtest.Mode
+	db        *statedb.DB
+	redirects statedb.Table[*redirect.Redirect]
+	root      string
+	entries   *bpf.RedirectMap
+}
+
+func (c *cluster) startOtherMode(t *testing.T) *otherModeAgent {
+	t.Helper()
+	o := &otherModeAgent{inPod: steeringtest.New(steering.ModeInPod), root: filepath.Join(c.bpfRoot, "agent")}
+	h := hive.New(cell.SimpleHealthCell, job.Cell, statedb.Cell,
+		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, redirect.Cell,
+		cell.Provide(o.inPod.Out),
+		cell.Invoke(func(d *statedb.DB, r statedb.Table[*redirect.Redirect]) { o.db, o.redirects = d, r }))
+	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(flags)
+	must(t, flags.Parse([]string{"--source=dir:" + c.manifests, "--node-name=node-a", "--bpf-root=" + o.root,
+		"--node-netns=/var/run/netns/" + c.node1.Name, "--devices=" + netnstest.UplinkName, "--redirect-mode=inpod"}))
+	// Opened before the agent starts, which may remove the pins.
+	m, err := ebpf.LoadPinnedMap(filepath.Join(o.root, bpf.MapName), &ebpf.LoadPinOptions{ReadOnly: true})
+	must(t, err)
+	t.Cleanup(func() { m.Close() })
+	o.entries = bpf.NewRedirectMap(m)
+	log := hivetest.Logger(t)
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	must(t, h.Start(log, ctx))
+	t.Cleanup(func() { h.Stop(log, context.Background()) })
+	return o
+}
+
+// entriesAre checks that the map's entries of the pod's addresses are of
+// the kind.
+func (o *otherModeAgent) entriesAre(p *netnstest.Pod, kind bpf.Kind) error {
+	for _, ip := range []netip.Addr{p.IP4, p.IP6} {
+		e, _, err := o.entries.Lookup(ip)
+		if err != nil {
+			return err
+		}
+		if e.Kind != kind {
+			return fmt.Errorf("%s's %s is %s, want %s", p.Name, ip, e.Kind, kind)
+		}
+	}
+	return nil
+}
+
+func (o *otherModeAgent) pinsGone() error {
+	for _, pin := range bpf.MapPins(o.root) {
+		if _, err := os.Stat(pin); !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("%s: %v", pin, err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(o.root, "links")); !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("links folder: %v", err)
+	}
+	return nil
+}
+
+func (o *otherModeAgent) eventually(t *testing.T, what string, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for err := cond(); err != nil; err = cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %v", what, err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
