@@ -178,11 +178,18 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 			// only. Closed while the rules are in: the resets go to
 			// ztunnel's side, not out of the pod.
 			closed, err := o.target.CloseAll(path, id)
-			if err != nil {
+			switch {
+			case errors.Is(err, steering.ErrCannotClose):
+				// Kept for good, the rules would refuse the pod's new
+				// connections: removed, with what is left of the old ones.
+				o.log.Warn("Removing an in-pod redirection without closing the pod's connections: a dead one the pod writes on again will send in clear",
+					"netns", path, "error", err)
+			case err != nil:
 				errs = append(errs, fmt.Errorf("netns %s: close the connections ztunnel held: %w", path, err))
 				continue
+			default:
+				o.log.Info("Closed the pod's connections of the in-pod redirection", "netns", path, "closed", closed)
 			}
-			o.log.Info("Closed the pod's connections of the in-pod redirection", "netns", path, "closed", closed)
 		}
 		o.log.Info("Pruning an in-pod redirection no enrolled pod asks for", "netns", path)
 		errs = append(errs, o.target.Remove(path, id))

@@ -4,6 +4,7 @@ package inpod_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -67,7 +68,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	socket := filepath.Join(dir, "ztunnel.sock")
-	target := &fakeTarget{namespaces: map[string][]netip.Addr{}, ids: map[string]uint64{}, aliases: map[string]string{}, rules: map[string]bool{}, altered: map[string]bool{}, emptied: map[string]bool{}}
+	target := &fakeTarget{namespaces: map[string][]netip.Addr{}, ids: map[string]uint64{}, aliases: map[string]string{}, rules: map[string]bool{}, altered: map[string]bool{}, emptied: map[string]bool{}, tried: map[string]bool{}}
 	var modes steering.Modes
 	var db *statedb.DB
 	l2 := steeringtest.New(steering.ModeL2)
@@ -168,8 +169,11 @@ type fakeTarget struct {
 	aliases    map[string]string
 	rules      map[string]bool
 	altered    map[string]bool
-	// emptied are the namespaces whose connections were all closed.
-	emptied map[string]bool
+	// emptied are the namespaces whose connections were all closed,
+	// tried those whose connections closing was tried for; closeErr is
+	// what closing answers.
+	emptied, tried map[string]bool
+	closeErr       error
 }
 
 // resolve returns the path under which the namespace path names is kept.
@@ -264,9 +268,14 @@ func (f *fakeTarget) CloseConnections(path string, _ []netip.Addr, _ []steering.
 func (f *fakeTarget) CloseAll(path string, _ inpod.NetnsID) (int, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if _, ok := f.namespaces[f.resolve(path)]; ok {
-		f.emptied[f.resolve(path)] = true
+	if _, ok := f.namespaces[f.resolve(path)]; !ok {
+		return 0, nil
 	}
+	f.tried[f.resolve(path)] = true
+	if f.closeErr != nil {
+		return 0, f.closeErr
+	}
+	f.emptied[f.resolve(path)] = true
 	return 0, nil
 }
 
@@ -313,8 +322,29 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 		"netns/put-rules": f.pathCommand("the redirection is in PATH (left by an earlier agent)", func(path string) {
 			f.rules[path] = true
 		}),
-		"netns/rules":   f.listCommand("list the namespaces holding the redirection", f.rules),
-		"netns/emptied": f.listCommand("list the namespaces whose connections were all closed", f.emptied),
+		"netns/rules":       f.listCommand("list the namespaces holding the redirection", f.rules),
+		"netns/emptied":     f.listCommand("list the namespaces whose connections were all closed", f.emptied),
+		"netns/close-tried": f.listCommand("list the namespaces whose connections closing was tried for", f.tried),
+		"netns/close-fails": script.Command(
+			script.CmdUsage{Summary: "closing connections fails from now on: error (retried), cannot (no SOCK_DESTROY), or no", Args: "error|cannot|no"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				if len(args) != 1 {
+					return nil, script.ErrUsage
+				}
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				switch args[0] {
+				case "error":
+					f.closeErr = errors.New("test: cannot close")
+				case "cannot":
+					f.closeErr = steering.ErrCannotClose
+				case "no":
+					f.closeErr = nil
+				default:
+					return nil, script.ErrUsage
+				}
+				return nil, nil
+			}),
 	}
 }
 

@@ -84,66 +84,98 @@ func (r statesRequest) Serialize() []byte {
 // tcpListen is TCP_LISTEN of the kernel's TCP states.
 const tcpListen = 10
 
-// closeConnections aborts the namespace's TCP sockets of conns
-// (SOCK_DESTROY: the socket fails with ECONNABORTED, its peer gets a
-// reset) and returns how many there were. Each is looked up first and
-// destroyed by its cookie: the kernel's lookup of a connection that is
-// gone finds the listener of its port, which must live on. The kernel
-// needs CONFIG_INET_DIAG_DESTROY.
+// closeConnections aborts the namespace's TCP connections with the ends of
+// conns and returns how many there were.
 func closeConnections(h netns.NsHandle, conns []steering.Conn) (int, error) {
-	sock, err := nl.GetNetlinkSocketAt(h, netns.None(), unix.NETLINK_INET_DIAG)
+	return closeMatching(h, func(c steering.Conn) bool { return slices.Contains(conns, c) })
+}
+
+// closeAll aborts every TCP connection of the namespace and returns how
+// many there were.
+func closeAll(h netns.NsHandle) (int, error) {
+	return closeMatching(h, func(steering.Conn) bool { return true })
+}
+
+// closeMatching aborts the namespace's TCP connections (SOCK_DESTROY: the
+// socket fails with ECONNABORTED, its peer gets a reset) whose ends match,
+// each as a dump shows it: by its cookie and interface (a socket bound to
+// one is found only so), never a listener. The dump is read as it comes
+// (the pod decides how many sockets it holds) and run again while it
+// finds some: the kernel resumes a dump by position, which sockets closed
+// under it shift.
+//
+// Possible errors: one wrapping steering.ErrCannotClose.
+func closeMatching(h netns.NsHandle, match func(steering.Conn) bool) (int, error) {
+	dump, err := nl.GetNetlinkSocketAt(h, netns.None(), unix.NETLINK_INET_DIAG)
 	if err != nil {
 		return 0, err
 	}
-	defer sock.Close()
-	// The lookup's answer is the socket or an error, the destruction's an
-	// acknowledgement: asked for on the lookup, it would be left unread.
-	execute := func(msgType, flags int, r sockRequest) ([][]byte, error) {
-		req := nl.NewNetlinkRequest(msgType, flags)
-		req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: sock}}
-		req.AddData(r)
-		return req.Execute(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY)
+	defer dump.Close()
+	destroy, err := nl.GetNetlinkSocketAt(h, netns.None(), unix.NETLINK_INET_DIAG)
+	if err != nil {
+		return 0, err
 	}
-	closed := 0
-	for _, c := range conns {
-		msgs, err := execute(nl.SOCK_DIAG_BY_FAMILY, 0, sockRequest{conn: c, cookie: noCookie})
-		switch {
-		case errors.Is(err, unix.ENOENT):
-			continue // closed already
-		case err != nil:
-			return closed, fmt.Errorf("look up %s -> %s: %w", c.Local, c.Remote, err)
-		case len(msgs) != 1 || len(msgs[0]) < inetDiagMsgCookieEnd:
-			return closed, fmt.Errorf("look up %s -> %s: %d answers", c.Local, c.Remote, len(msgs))
-		case msgs[0][1] == tcpListen:
-			continue // the connection is gone, its port's listener found
+	defer destroy.Close()
+	closed, found := 0, 0
+	var errs []error
+	closeOne := func(msg []byte) bool {
+		r, ok := parseDiagMsg(msg)
+		if !ok || !match(r.conn) {
+			return true
 		}
-		cookie := [8]byte(msgs[0][inetDiagMsgCookieEnd-8 : inetDiagMsgCookieEnd])
-		_, err = execute(nl.SOCK_DESTROY, unix.NLM_F_ACK, sockRequest{conn: c, cookie: cookie})
-		switch {
+		found++
+		req := nl.NewNetlinkRequest(nl.SOCK_DESTROY, unix.NLM_F_ACK)
+		req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: destroy}}
+		req.AddData(r)
+		switch _, err := req.Execute(unix.NETLINK_INET_DIAG, 0); {
 		case err == nil:
 			closed++
 		case errors.Is(err, unix.ENOENT):
-			// Closed in between.
+			// Closed in between (its peer's reset, on loopback).
+		case errors.Is(err, unix.EOPNOTSUPP):
+			errs = append(errs, steering.ErrCannotClose)
+			return false
 		default:
-			return closed, fmt.Errorf("close %s -> %s: %w", c.Local, c.Remote, err)
+			errs = append(errs, fmt.Errorf("close %s -> %s: %w", r.conn.Local, r.conn.Remote, err))
+		}
+		return len(errs) < 10 // the same error for every socket says it all
+	}
+	for pass := 0; pass < 4 && (pass == 0 || found > 0) && len(errs) == 0; pass++ {
+		found = 0
+		for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
+			req := nl.NewNetlinkRequest(nl.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP)
+			req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: dump}}
+			req.AddData(statesRequest{family: family, states: connectionStates})
+			err := req.ExecuteIter(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY, closeOne)
+			switch {
+			case err != nil && family == unix.AF_INET6 && !errors.Is(err, nl.ErrDumpInterrupted):
+				// IPv6 disabled.
+			case err != nil:
+				errs = append(errs, fmt.Errorf("list the connections: %w", err))
+			}
+			if len(errs) > 0 {
+				break
+			}
 		}
 	}
-	return closed, nil
+	return closed, errors.Join(errs...)
 }
+
+// connectionStates are the TCP states of a connection that can still
+// carry data either way (not listening, closed or in TIME_WAIT).
+const connectionStates = 1<<1 | 1<<2 | 1<<3 | 1<<4 | 1<<5 | 1<<8 | 1<<9 | 1<<11
 
 // inetDiagMsgCookieEnd: struct inet_diag_msg is family, state, timer,
 // retrans, then the socket id, whose cookie ends it at byte 52.
 const inetDiagMsgCookieEnd = 52
 
-// noCookie is INET_DIAG_NOCOOKIE twice: any socket of those ends.
-var noCookie = [8]byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
-
-// sockRequest is an inet_diag_req_v2 naming one TCP socket by its ends
-// and cookie, in any state. An IPv4 connection is looked up among IPv4
-// ends, which covers an IPv6 socket's IPv4-mapped ones too.
+// sockRequest is an inet_diag_req_v2 naming one TCP socket by its ends,
+// interface and cookie, in any state. An IPv4 connection is named by
+// IPv4 ends, which covers an IPv6 socket's IPv4-mapped ones too.
 type sockRequest struct {
-	conn   steering.Conn
-	cookie [8]byte
+	conn    steering.Conn
+	ifindex uint32
+	cookie  [8]byte
 }
 
 func (r sockRequest) Len() int { return inetDiagReqV2Len }
@@ -157,64 +189,14 @@ func (r sockRequest) Serialize() []byte {
 	}
 	binary.NativeEndian.PutUint32(b[4:8], ^uint32(0)) // any state
 	// struct inet_diag_sockid: ports and addresses in network order, the
-	// interface (any), the cookie as the kernel gave it.
+	// interface and the cookie as the kernel gave them.
 	binary.BigEndian.PutUint16(b[8:10], r.conn.Local.Port())
 	binary.BigEndian.PutUint16(b[10:12], r.conn.Remote.Port())
 	copy(b[12:28], local.AsSlice())
 	copy(b[28:44], remote.AsSlice())
+	binary.NativeEndian.PutUint32(b[44:48], r.ifindex)
 	copy(b[48:56], r.cookie[:])
 	return b
-}
-
-// connectionStates are the TCP states of a connection that can still
-// carry data either way (not listening, closed or in TIME_WAIT).
-const connectionStates = 1<<1 | 1<<2 | 1<<3 | 1<<4 | 1<<5 | 1<<8 | 1<<9 | 1<<11
-
-// closeAll aborts every TCP connection of the namespace, each as the
-// dump shows it (by its cookie), and returns how many there were. The
-// dump is read as it comes: the pod decides how many it holds.
-func closeAll(h netns.NsHandle) (int, error) {
-	dump, err := nl.GetNetlinkSocketAt(h, netns.None(), unix.NETLINK_INET_DIAG)
-	if err != nil {
-		return 0, err
-	}
-	defer dump.Close()
-	destroy, err := nl.GetNetlinkSocketAt(h, netns.None(), unix.NETLINK_INET_DIAG)
-	if err != nil {
-		return 0, err
-	}
-	defer destroy.Close()
-	closed := 0
-	var errs []error
-	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
-		req := nl.NewNetlinkRequest(nl.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP)
-		req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: dump}}
-		req.AddData(statesRequest{family: family, states: connectionStates})
-		err := req.ExecuteIter(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY, func(msg []byte) bool {
-			r, ok := parseDiagMsg(msg)
-			if !ok {
-				return true
-			}
-			d := nl.NewNetlinkRequest(nl.SOCK_DESTROY, unix.NLM_F_ACK)
-			d.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: destroy}}
-			d.AddData(r)
-			switch _, err := d.Execute(unix.NETLINK_INET_DIAG, 0); {
-			case err == nil:
-				closed++
-			case errors.Is(err, unix.ENOENT):
-			default:
-				errs = append(errs, fmt.Errorf("close %s -> %s: %w", r.conn.Local, r.conn.Remote, err))
-			}
-			return len(errs) < 10
-		})
-		switch {
-		case err != nil && family == unix.AF_INET6 && closed == 0 && len(errs) == 0:
-			// IPv6 disabled.
-		case err != nil:
-			errs = append(errs, err)
-		}
-	}
-	return closed, errors.Join(errs...)
 }
 
 // parseDiagMsg reads the socket of a struct inet_diag_msg: family, state,
@@ -232,9 +214,10 @@ func parseDiagMsg(msg []byte) (sockRequest, bool) {
 	}
 	return sockRequest{
 		conn: steering.Conn{
-			Local:  netip.AddrPortFrom(addr(msg[8:24]), binary.BigEndian.Uint16(msg[4:6])),
-			Remote: netip.AddrPortFrom(addr(msg[24:40]), binary.BigEndian.Uint16(msg[6:8])),
+			Local:  netip.AddrPortFrom(addr(msg[8:24]).Unmap(), binary.BigEndian.Uint16(msg[4:6])),
+			Remote: netip.AddrPortFrom(addr(msg[24:40]).Unmap(), binary.BigEndian.Uint16(msg[6:8])),
 		},
-		cookie: [8]byte(msg[44:52]),
+		ifindex: binary.NativeEndian.Uint32(msg[40:44]),
+		cookie:  [8]byte(msg[44:52]),
 	}, true
 }

@@ -7,22 +7,26 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
 // TestCloseConnections: the connections named are aborted in the pod's
-// namespace, IPv4 and IPv6, the pod's end sees it at once; a connection
-// not named lives on, and one that is not there is no error, also where
-// the kernel's lookup finds its port's listener instead, which lives on.
+// namespace, IPv4, IPv6 and one bound to an interface, the pod's end
+// sees it at once; a connection not named lives on, and one that is not
+// there is no error, also where a listener has its local end, which
+// lives on.
 func TestCloseConnections(t *testing.T) {
 	netnstest.RequirePrivileged(t)
 	ns := netnstest.NewNS(t, "closeconns")
 	type pair struct{ pod, peer net.Conn }
-	connect := func(network, addr string) pair {
+	connect := func(network, addr string, d net.Dialer) pair {
 		t.Helper()
 		l := listenAt(t, ns, network, addr)
 		accepted := make(chan net.Conn, 1)
@@ -33,7 +37,7 @@ func TestCloseConnections(t *testing.T) {
 		}()
 		var p pair
 		must(t, ns.Do(func() (err error) {
-			p.pod, err = net.Dial(network, l.Addr().String())
+			p.pod, err = d.Dial(network, l.Addr().String())
 			return err
 		}))
 		t.Cleanup(func() { p.pod.Close() })
@@ -44,18 +48,24 @@ func TestCloseConnections(t *testing.T) {
 	ends := func(p pair) steering.Conn {
 		return steering.Conn{Local: netip.MustParseAddrPort(p.pod.LocalAddr().String()), Remote: netip.MustParseAddrPort(p.pod.RemoteAddr().String())}
 	}
-	v4, v6, kept := connect("tcp4", "127.0.0.1:0"), connect("tcp6", "[::1]:0"), connect("tcp4", "127.0.0.1:0")
+	boundToLo := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		var err error
+		c.Control(func(fd uintptr) { err = unix.SetsockoptString(int(fd), unix.SOL_SOCKET, unix.SO_BINDTODEVICE, "lo") })
+		return err
+	}}
+	v4, v6, kept := connect("tcp4", "127.0.0.1:0", net.Dialer{}), connect("tcp6", "[::1]:0", net.Dialer{}), connect("tcp4", "127.0.0.1:0", net.Dialer{})
+	bound := connect("tcp4", "127.0.0.1:0", boundToLo)
 	gone := steering.Conn{Local: netip.MustParseAddrPort("127.0.0.1:1"), Remote: netip.MustParseAddrPort("127.0.0.1:2")}
 	listener := listenAt(t, ns, "tcp6", "[::]:0")
 	goneFromListener := steering.Conn{Local: netip.AddrPortFrom(netip.IPv6Loopback(), uint16(listener.Addr().(*net.TCPAddr).Port)),
 		Remote: netip.MustParseAddrPort("[::1]:2")}
 
 	closed, err := newNetlinkTarget().CloseConnections("/var/run/netns/"+ns.Name, []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.IPv6Loopback()},
-		[]steering.Conn{ends(v4), goneFromListener, ends(v6), gone})
-	if err != nil || closed != 2 {
-		t.Fatalf("closed %d, %v; want the IPv4 and the IPv6 connection", closed, err)
+		[]steering.Conn{ends(v4), goneFromListener, ends(v6), gone, ends(bound)})
+	if err != nil || closed != 3 {
+		t.Fatalf("closed %d, %v; want the IPv4, the IPv6 and the bound connection", closed, err)
 	}
-	for _, p := range []pair{v4, v6} {
+	for _, p := range []pair{v4, v6, bound} {
 		p.pod.SetReadDeadline(time.Now().Add(time.Second))
 		if _, err := p.pod.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
 			t.Errorf("%s -> %s: read %v, want the connection aborted", p.pod.LocalAddr(), p.pod.RemoteAddr(), err)

@@ -117,7 +117,10 @@ func (h *handover) handOver(ctx context.Context, health cell.Health) error {
 		return ctx.Err()
 	}
 	ws := statedb.NewWatchSet()
-	var waitingSince time.Time
+	var (
+		waitingSince time.Time
+		lastHeld     []string
+	)
 	for {
 		txn := h.DB.ReadTxn()
 		pods, watch := h.podsOfNode(txn, mode)
@@ -128,10 +131,12 @@ func (h *handover) handOver(ctx context.Context, health cell.Health) error {
 		if len(held) == 0 {
 			return removeL2Pins(h.Log, root)
 		}
-		if waitingSince.IsZero() {
-			waitingSince = time.Now()
+		slices.Sort(held)
+		if !slices.Equal(held, lastHeld) {
+			waitingSince, lastHeld = time.Now(), held
 		}
-		msg := fmt.Sprintf("%d enrolled pods left with the l2 datapath until the %s mode steers them", len(held), mode.Name())
+		msg := fmt.Sprintf("%d enrolled pods (or addresses of pods gone whose interface is there) left with the l2 datapath until the %s mode steers them",
+			len(held), mode.Name())
 		if time.Since(waitingSince) > handoverPatience {
 			health.Degraded(msg, fmt.Errorf("waiting for %s since %s", strings.Join(held[:min(len(held), 10)], ", "), waitingSince.Format(time.RFC3339)))
 		} else {
@@ -253,15 +258,21 @@ func (h *handover) release(txn statedb.ReadTxn, mode steering.Mode, maps *l2Maps
 		}
 		if len(theirs) > 0 && closer != nil {
 			closed, err := closer.CloseConnections(txn, p.key, theirs)
-			if err != nil {
-				// Kept, and tried again at the next change: passed, they
-				// would send in clear.
+			switch {
+			case errors.Is(err, steering.ErrCannotClose):
+				// Kept for good, the pod would be cut off: released, with
+				// what is left of those connections.
+				h.Log.Warn("Releasing a pod without closing the connections the l2 mTLS agent held: a dead one the pod writes on again will send in clear",
+					"pod", p.key, "connections", len(theirs), "error", err)
+			case err != nil:
+				// Kept, and tried again: passed, they would send in clear.
 				h.Log.Warn("Cannot close the connections the l2 mTLS agent held for a pod: it stays with the l2 datapath",
 					"pod", p.key, "connections", len(theirs), "error", err)
 				hold(p.key)
 				continue
+			default:
+				h.Log.Info("Closed the pod's connections the l2 mTLS agent held", "pod", p.key, "closed", closed, "known", len(theirs))
 			}
-			h.Log.Info("Closed the pod's connections the l2 mTLS agent held", "pod", p.key, "closed", closed, "known", len(theirs))
 		}
 		for _, addr := range addrs {
 			if err := h.releaseAddr(maps, addr, "the "+mode.Name()+" mode steers its pod", p.key); err != nil {

@@ -3,6 +3,7 @@
 package steering
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 
@@ -99,8 +100,14 @@ type Disabler interface {
 type ConnectionCloser interface {
 	// CloseConnections aborts the pod's sockets of conns; one that is not
 	// there is no error. It returns how many it aborted.
+	//
+	// Possible errors: one wrapping ErrCannotClose.
 	CloseConnections(txn statedb.ReadTxn, pod string, conns []Conn) (int, error)
 }
+
+// ErrCannotClose: the kernel cannot close a socket from outside its
+// process (SOCK_DESTROY needs CONFIG_INET_DIAG_DESTROY).
+var ErrCannotClose = errors.New("the kernel cannot close sockets: CONFIG_INET_DIAG_DESTROY is off")
 
 // Conn is a TCP connection as the pod sees it.
 type Conn struct{ Local, Remote netip.AddrPort }

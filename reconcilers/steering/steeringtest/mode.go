@@ -25,6 +25,8 @@ type Mode struct {
 	changed  chan struct{}
 	// closed are the connections asked to be closed, by pod.
 	closed map[string][]steering.Conn
+	// closeErr is what closing connections answers.
+	closeErr error
 }
 
 var (
@@ -67,13 +69,20 @@ func (m *Mode) Watch(statedb.ReadTxn) []<-chan struct{} {
 func (m *Mode) Tables() []statedb.TableMeta { return nil }
 
 // CloseConnections records what it is asked to close (the test's mode
-// has no sockets).
+// has no sockets), and fails as FailClose says.
 func (m *Mode) CloseConnections(_ statedb.ReadTxn, pod string, conns []steering.Conn) (int, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.closed[pod] = append(m.closed[pod], conns...)
+	if m.closeErr != nil {
+		return 0, m.closeErr
+	}
 	return len(conns), nil
 }
+
+// FailClose makes closing connections fail with err from now on (nil:
+// succeed).
+func (m *Mode) FailClose(err error) { m.change(func() { m.closeErr = err }) }
 
 // Closed returns the connections of pod the mode was asked to close.
 func (m *Mode) Closed(pod string) []steering.Conn {
