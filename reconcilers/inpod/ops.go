@@ -108,13 +108,13 @@ func (o *RulesOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 // Prune implements reconciler.Operations: every namespace a CNI report of
 // this node names, and no row asks for, loses what it holds of the
 // redirection: pods unenrolled while no agent ran, or all of them once
-// the mode is not inpod (an enrolled pod's once that mode steers it, see
-// awaitsOtherMode). Namespaces are compared by identity, not path: a
-// stale report's path may name an enrolled pod's namespace now. The
-// namespace of a pod that left the API or finished keeps its redirection,
-// as in Delete: its report may outlive the pod for a while. The
-// reconciler prunes only once the inpod table is initialized, which the
-// derivation does after cni-pods is.
+// the mode is not inpod (an enrolled pod's once that mode steers it, and
+// its connections first, see handOver). Namespaces are compared by
+// identity, not path: a stale report's path may name an enrolled pod's
+// namespace now. The namespace of a pod that left the API or finished
+// keeps its redirection, as in Delete: its report may outlive the pod for
+// a while. The reconciler prunes only once the inpod table is
+// initialized, which the derivation does after cni-pods is.
 func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*Redirection, statedb.Revision]) error {
 	wanted := o.wanted(rows)
 	var paths []string
@@ -124,8 +124,8 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		if row.Netns == "" || slices.Contains(paths, row.Netns) || o.sandboxOutlives(txn, row.Pod, row.UID) {
 			continue
 		}
-		switch o.otherModeOf(txn, row) {
-		case awaitsOtherMode:
+		switch o.handOverOf(txn, row) {
+		case awaitingActiveMode:
 			// Protected by identity, as a row's namespace: another path
 			// (a stale report's) may name it.
 			if id, held := o.holdsRedirection(row.Netns); held {
@@ -133,7 +133,7 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 				awaiting++
 			}
 			continue
-		case steeredByOtherMode:
+		case steeredByActiveMode:
 			handedOver[row.Netns] = true
 		}
 		paths = append(paths, row.Netns)
@@ -206,39 +206,39 @@ func (o *RulesOps) sandboxOutlives(txn statedb.ReadTxn, key, uid string) bool {
 	return !found || !pod.MatchesUID(uid) || pod.Finished()
 }
 
-// otherMode is where the pod of a report stands with the active mode
+// handOver is where the pod of a report stands with the active mode
 // when that is another than this one (the node switched to l2).
-type otherMode int
+type handOver int
 
 const (
-	// notOtherMode: the in-pod mode is active, the pod is not enrolled
+	// notHandedOver: the in-pod mode is active, the pod is not enrolled
 	// (or is the mTLS agent), or the active mode is switched off and
 	// steers nothing, ever: nothing to wait for.
-	notOtherMode otherMode = iota
-	// awaitsOtherMode: an enrolled pod the active mode does not steer
+	notHandedOver handOver = iota
+	// awaitingActiveMode: an enrolled pod the active mode does not steer
 	// yet: removed now, its redirection would leave the pod sending in
 	// clear until that mode steers it. A prune once it does removes it
 	// (pruneOnceSteered).
-	awaitsOtherMode
-	// steeredByOtherMode: an enrolled pod the active mode steers.
-	steeredByOtherMode
+	awaitingActiveMode
+	// steeredByActiveMode: an enrolled pod the active mode steers.
+	steeredByActiveMode
 )
 
-func (o *RulesOps) otherModeOf(txn statedb.ReadTxn, report *tables.CNIPod) otherMode {
+func (o *RulesOps) handOverOf(txn statedb.ReadTxn, report *tables.CNIPod) handOver {
 	if o.active.Name() == steering.ModeInPod {
-		return notOtherMode
+		return notHandedOver
 	}
 	if d, ok := o.active.(steering.Disabler); ok && d.Disabled() {
-		return notOtherMode
+		return notHandedOver
 	}
 	e, _, ok := o.enrollments.Get(txn, enrollment.ByKey(report.Pod))
 	if !ok || !e.Enrolled || e.MTLSAgent {
-		return notOtherMode
+		return notHandedOver
 	}
 	if s, _ := o.active.Steering(txn, report.Pod, steering.Sandbox{IPs: report.IPs, Netns: report.Netns}); s != steering.Steered {
-		return awaitsOtherMode
+		return awaitingActiveMode
 	}
-	return steeredByOtherMode
+	return steeredByActiveMode
 }
 
 // holdsRedirection reports whether the namespace at path holds a
