@@ -35,10 +35,10 @@ type RulesOps struct {
 	// (unless it is switched off).
 	active steering.Mode
 	// waiting carries, from a prune that left redirections for the active
-	// mode to steer their pods first, how many and what to watch for that
-	// mode's answers to change, read in the prune's own transaction (so
-	// that no change after it goes unseen): pruneOnceSteered prunes again
-	// then.
+	// mode to steer their pods first (or failed to close a handed-over
+	// pod's connections), how many and what to watch for that mode's
+	// answers to change, read in the prune's own transaction (so that no
+	// change after it goes unseen): pruneOnceSteered prunes again then.
 	waiting chan waitingPrune
 	log     *slog.Logger
 	// written is the namespace each pod's redirection was last written
@@ -138,15 +138,8 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		}
 		paths = append(paths, row.Netns)
 	}
-	if awaiting > 0 {
-		// The reconciler alone sends: a pending value is replaced.
-		select {
-		case <-o.waiting:
-		default:
-		}
-		o.waiting <- waitingPrune{count: awaiting, watch: o.active.Watch(txn)}
-	}
 	errs := wanted.errs
+	failed := 0
 	for _, path := range paths {
 		if wanted.unidentified[path] {
 			continue // its error is in errs
@@ -186,6 +179,7 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 					"netns", path, "error", err)
 			case err != nil:
 				errs = append(errs, fmt.Errorf("netns %s: close the connections ztunnel held: %w", path, err))
+				failed++
 				continue
 			default:
 				o.log.Info("Closed the pod's connections of the in-pod redirection", "netns", path, "closed", closed)
@@ -193,6 +187,14 @@ func (o *RulesOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		}
 		o.log.Info("Pruning an in-pod redirection no enrolled pod asks for", "netns", path)
 		errs = append(errs, o.target.Remove(path, id))
+	}
+	if awaiting > 0 || failed > 0 {
+		// The reconciler alone sends: a pending value is replaced.
+		select {
+		case <-o.waiting:
+		default:
+		}
+		o.waiting <- waitingPrune{count: awaiting + failed, watch: o.active.Watch(txn), retry: failed > 0}
 	}
 	return errors.Join(errs...)
 }
@@ -342,19 +344,24 @@ func newReconciler(p reconcilerParams) (reconciler.Reconciler[*Redirection], err
 	return r, nil
 }
 
-// waitingPrune is what a prune left waiting for the active mode.
+// waitingPrune is what a prune left waiting for the active mode, or
+// failed at (retry: a handed-over pod whose connections could not be
+// closed keeps its rules until they are).
 type waitingPrune struct {
 	count int
 	watch []<-chan struct{}
+	retry bool
 }
 
 // pruneOnceSteered prunes again when the active mode's answers change
 // after a prune left redirections for it to steer first: once it does,
 // they go at once rather than at the next periodic prune (they would
 // refuse the pod's connections meanwhile, with no ztunnel to serve them).
-// A prune enters every namespace of the node: at most one a second, and
-// less and less often, down to the periodic prune's pace, while the
-// answers change but nothing the prune waits for (a pod never steered).
+// A prune that failed to close a handed-over pod's connections is tried
+// again likewise, whatever changed. A prune enters every namespace of the
+// node: at most one a second, and less and less often, down to the
+// periodic prune's pace, while the answers change but nothing the prune
+// waits for (a pod never steered), or it keeps failing.
 func pruneOnceSteered(ctx context.Context, waiting <-chan waitingPrune, r reconciler.Reconciler[*Redirection]) {
 	pause, last := time.Second, 0
 	for {
@@ -370,11 +377,13 @@ func pruneOnceSteered(ctx context.Context, waiting <-chan waitingPrune, r reconc
 			pause = time.Second
 		}
 		last = w.count
-		ws := statedb.NewWatchSet()
-		ws.Add(w.watch...)
-		// Settle: the datapath writes many rows at once.
-		if _, err := ws.Wait(ctx, 100*time.Millisecond); err != nil {
-			return
+		if !w.retry {
+			ws := statedb.NewWatchSet()
+			ws.Add(w.watch...)
+			// Settle: the datapath writes many rows at once.
+			if _, err := ws.Wait(ctx, 100*time.Millisecond); err != nil {
+				return
+			}
 		}
 		select {
 		case <-ctx.Done():
