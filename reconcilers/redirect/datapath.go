@@ -132,7 +132,7 @@ func (dp *bpfDatapath) load(ctx context.Context, log *slog.Logger) *loadedDatapa
 		l.err = fmt.Errorf("--bpf-root=%s: %w", dp.root, l.err)
 		return l
 	}
-	if l.linksDir, l.err = bpf.PinDir(dp.root, "links"); l.err != nil {
+	if l.linksDir, l.err = bpf.PinDir(dp.root, linksDir); l.err != nil {
 		return l
 	}
 	l.objs, l.err = bpf.Load(dp.root)
@@ -219,7 +219,10 @@ func (dp *bpfDatapath) pin(device string) string { return LinkPin(dp.root, devic
 // bpffs refuses dots in names and interface names cannot hold colons, so
 // dots become colons.
 func LinkPin(bpfRoot, device string) string {
-	return filepath.Join(bpfRoot, "links", strings.ReplaceAll(device, ".", ":"))
+	return filepath.Join(bpfRoot, linksDir, strings.ReplaceAll(device, ".", ":"))
 }
+
+// linksDir is the folder of the link pins under the bpffs root.
+const linksDir = "links"
 
 func unpinName(name string) string { return strings.ReplaceAll(name, ":", ".") }

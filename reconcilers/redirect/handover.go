@@ -256,8 +256,12 @@ func (h *handover) release(txn statedb.ReadTxn, mode steering.Mode, maps *l2Maps
 				theirs = append(theirs, steering.Conn{Local: c.Src, Remote: c.Dst})
 			}
 		}
-		if len(theirs) > 0 && closer != nil {
-			closed, err := closer.CloseConnections(txn, p.key, theirs)
+		if len(theirs) > 0 {
+			// A mode that cannot close connections is a kernel that cannot.
+			closed, err := 0, steering.ErrCannotClose
+			if closer != nil {
+				closed, err = closer.CloseConnections(txn, p.key, theirs)
+			}
 			switch {
 			case errors.Is(err, steering.ErrCannotClose):
 				// Kept for good, the pod would be cut off: released, with
@@ -325,7 +329,7 @@ func (m *l2Maps) close() {
 
 // l2Pinned tells whether anything of ours is pinned under root.
 func l2Pinned(root string) bool {
-	for _, pin := range []string{filepath.Join(root, bpf.MapName), filepath.Join(root, "links")} {
+	for _, pin := range append(bpf.MapPins(root), filepath.Join(root, linksDir)) {
 		if _, err := os.Stat(pin); !errors.Is(err, os.ErrNotExist) {
 			return true
 		}
@@ -336,20 +340,21 @@ func l2Pinned(root string) bool {
 // removeL2Pins removes our pins under root: the links, their folder and
 // the maps; the root stays. The caller holds root's lock.
 func removeL2Pins(log *slog.Logger, root string) error {
-	links, err := os.ReadDir(filepath.Join(root, "links"))
+	dir := filepath.Join(root, linksDir)
+	links, err := os.ReadDir(dir)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
 	var errs []error
 	for _, l := range links {
-		pin := filepath.Join(root, "links", l.Name())
+		pin := filepath.Join(dir, l.Name())
 		log.Info("Removing a program left by the l2 mode", "pin", pin)
 		errs = append(errs, bpf.Detach(pin))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	if err := os.Remove(filepath.Join(root, "links")); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		errs = append(errs, err)
 	}
 	for _, pin := range bpf.MapPins(root) {
