@@ -33,10 +33,7 @@ func listeningPorts(h netns.NsHandle, ports []uint16) (map[uint16]bool, error) {
 	defer sock.Close()
 	listening := map[uint16]bool{}
 	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
-		req := nl.NewNetlinkRequest(nl.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP)
-		req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: sock}}
-		req.AddData(statesRequest{family: family, states: 1 << tcpListen})
-		err := req.ExecuteIter(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY, func(msg []byte) bool {
+		err := dumpTCP(sock, family, 1<<tcpListen, func(msg []byte) bool {
 			// struct inet_diag_msg: family, state, timer, retrans, then
 			// the socket id, its source port first (network order).
 			if len(msg) >= 6 && msg[1] == tcpListen {
@@ -58,6 +55,16 @@ func listeningPorts(h netns.NsHandle, ports []uint16) (map[uint16]bool, error) {
 		}
 	}
 	return listening, nil
+}
+
+// dumpTCP streams the TCP sockets of a family in states (a bit per state)
+// to fn, each as a struct inet_diag_msg, through sock (opened in the
+// namespace: sock_diag answers for the socket's own), until fn says stop.
+func dumpTCP(sock *nl.NetlinkSocket, family uint8, states uint32, fn func(msg []byte) bool) error {
+	req := nl.NewNetlinkRequest(nl.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP)
+	req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: sock}}
+	req.AddData(statesRequest{family: family, states: states})
+	return req.ExecuteIter(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY, fn)
 }
 
 // statesRequest is an inet_diag_req_v2 for the TCP sockets of a family
@@ -143,10 +150,7 @@ func closeMatching(h netns.NsHandle, match func(steering.Conn) bool) (int, error
 	for pass := 0; pass < 4 && (pass == 0 || found > 0) && len(errs) == 0; pass++ {
 		found = 0
 		for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
-			req := nl.NewNetlinkRequest(nl.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP)
-			req.Sockets = map[int]*nl.SocketHandle{unix.NETLINK_INET_DIAG: {Socket: dump}}
-			req.AddData(statesRequest{family: family, states: connectionStates})
-			err := req.ExecuteIter(unix.NETLINK_INET_DIAG, nl.SOCK_DIAG_BY_FAMILY, closeOne)
+			err := dumpTCP(dump, family, connectionStates, closeOne)
 			switch {
 			case err != nil && family == unix.AF_INET6 && !errors.Is(err, nl.ErrDumpInterrupted):
 				// IPv6 disabled.
@@ -218,6 +222,6 @@ func parseDiagMsg(msg []byte) (sockRequest, bool) {
 			Remote: netip.AddrPortFrom(addr(msg[24:40]).Unmap(), binary.BigEndian.Uint16(msg[6:8])),
 		},
 		ifindex: binary.NativeEndian.Uint32(msg[40:44]),
-		cookie:  [8]byte(msg[44:52]),
+		cookie:  [8]byte(msg[inetDiagMsgCookieEnd-8 : inetDiagMsgCookieEnd]),
 	}, true
 }
