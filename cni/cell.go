@@ -15,11 +15,13 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
 
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // Cell answers the CNI plugin and, with --cni-install, installs it.
@@ -32,6 +34,11 @@ var Cell = cell.Module(
 	cell.ProvidePrivate(newMetrics),
 	// cni-pods rows as files in the state folder.
 	cell.ProvidePrivate(func(dir statedir.Dir) *store { return newStore(string(dir)) }),
+	// cni-pods rows kept on disk, for the in-pod mode's search of
+	// sandboxes no plugin reported.
+	cell.Provide(func(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], s *store) tables.CNIReports {
+		return reports{db: db, cniPods: cniPods, store: s}
+	}),
 	// POST /v1/cni/pods/NS/NAME and DELETE /v1/cni/containers/ID on api.sock
 	// write cni-pods.
 	cell.Provide(newHandlers),

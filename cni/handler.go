@@ -229,16 +229,13 @@ func (h *handler) record(key string, req plugin.Request, ans plugin.Answer, aske
 		return
 	}
 	row.Updated = time.Now()
-	// On disk first: a row the table shows is one a restarted agent
-	// still knows.
-	if err := h.Store.save(row); err != nil {
+	if err := h.reports().Keep(row); err != nil {
 		h.Log.Error("Cannot keep the CNI report in the state folder; a restarted agent will not know the pod's addresses until the API has them",
 			"pod", key, "container", req.ContainerID, "error", err)
 	}
-	wtxn := h.DB.WriteTxn(h.CNIPods)
-	h.CNIPods.Insert(wtxn, row)
-	wtxn.Commit()
 }
+
+func (h *handler) reports() reports { return reports{db: h.DB, cniPods: h.CNIPods, store: h.Store} }
 
 // podAddrs checks the addresses of a report and puts them in canonical
 // form, without duplicates.

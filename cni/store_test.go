@@ -127,3 +127,37 @@ func must(t *testing.T, err error) {
 		t.Fatal(err)
 	}
 }
+
+// TestReportsKeep: a row kept (a namespace the in-pod mode found) is on
+// disk for the next agent and in the table; a container id that cannot
+// be a file name is refused on disk with an error, and still in the table.
+func TestReportsKeep(t *testing.T) {
+	db := statedb.New()
+	cniPods, err := tables.NewCNIPodsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newStore(t.TempDir())
+	r := reports{db: db, cniPods: cniPods, store: s}
+	found := &tables.CNIPod{ContainerID: "found-0123456789abcdef", Pod: "app/old", UID: "u1", Netns: "/var/run/netns/cni-1",
+		State: tables.CNIStateFound, Enrolled: true}
+	if err := r.Keep(found); err != nil {
+		t.Fatal(err)
+	}
+	if rows, errs := s.load(); len(errs) != 0 || len(rows) != 1 || rows[0].Netns != found.Netns || rows[0].State != tables.CNIStateFound {
+		t.Errorf("on disk: %v %v, want the row found", rows, errs)
+	}
+	bad := &tables.CNIPod{ContainerID: "../escape", Pod: "app/x"}
+	if err := r.Keep(bad); err == nil {
+		t.Errorf("a container id that is no file name was kept on disk")
+	}
+	if _, err := os.Stat(filepath.Join(s.dir, "..", "escape.json")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a file outside the store: %v", err)
+	}
+	txn := db.ReadTxn()
+	for _, id := range []string{found.ContainerID, bad.ContainerID} {
+		if _, _, ok := cniPods.Get(txn, tables.CNIPodByContainer(id)); !ok {
+			t.Errorf("%s not in the table", id)
+		}
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"testing"
 
@@ -218,6 +219,32 @@ func runInPodChecks(t *testing.T, b *bed) {
 		na.startAgent()
 		na.waitAgent()
 		stayedClosed(", then node-a's agent restarted")
+	})
+
+	t.Run("9 a pod no CNI report names is found when enrolled", func(t *testing.T) {
+		// a3 runs unenrolled, as a pod started before mtlsbridge-cni was
+		// chained: the agent has no report of its sandbox.
+		na.killAgent()
+		must(t, os.Remove(filepath.Join(na.stateDir, "cni-pods", p.a3.sb.ContainerID+".json")))
+		na.startAgent()
+		na.waitAgent()
+		b.setEnrolled(p.a3, true)
+		b.knows(na, p.a3, p.b1, true)
+		b.eventually("a3 found and redirected", func() error { return na.noBypass("a3") })
+		if err := inPodInPlace(p.a3); err != nil {
+			t.Error(err)
+		}
+		for _, v6 := range []bool{false, true} {
+			f := b.run(p.a3, p.b1, v6)
+			t.Log(f)
+			expectMTLS(t, f)
+		}
+		// What was found is kept as a report, for a restarted agent.
+		kept, err := filepath.Glob(filepath.Join(na.stateDir, "cni-pods", "found-*.json"))
+		must(t, err)
+		if len(kept) != 1 {
+			t.Errorf("kept reports of namespaces found: %q, want a3's", kept)
+		}
 	})
 }
 

@@ -86,6 +86,9 @@ type bedNode struct {
 	// zdsSocket is where the proxy meets the agent in the in-pod mode
 	// (ztunnel's INPOD_UDS, a host folder both mount).
 	zdsSocket string
+	// netnsDir is where the runtime pins the node's pods' namespaces
+	// (the agent's --netns-dir): the node's own /var/run/netns.
+	netnsDir string
 	// inPod runs the agent with --redirect-mode=inpod and the proxy as
 	// ztunnel in its in-pod mode (inpod_test.go); read at their start, so
 	// that a node may switch modes (modeswitch_test.go).
@@ -154,7 +157,7 @@ func newBedMode(t testing.TB, c cluster, inPod bool) *bed {
 		t.Cleanup(func() { os.RemoveAll(stateDir) })
 		n := &bedNode{bed: b, name: "node-" + string(rune('a'+i)), index: i + 1, ns: ns, stateDir: stateDir,
 			bpfRoot: filepath.Join(bpf, "node-"+string(rune('a'+i))), grpc: netip.AddrPortFrom(ns.Addr4, 15012).String(),
-			nextAddr: 20, zdsSocket: filepath.Join(stateDir+"-zds", "ztunnel.sock"), inPod: inPod}
+			nextAddr: 20, zdsSocket: filepath.Join(stateDir+"-zds", "ztunnel.sock"), netnsDir: t.TempDir(), inPod: inPod}
 		t.Cleanup(func() { os.RemoveAll(stateDir + "-zds") })
 		n.runtime = cnitest.NewRuntime(t, ns.NS, b.bin, func(sb cnitest.Sandbox) []byte {
 			return fmt.Appendf(nil, `{"cniVersion": "1.0.0", "name": "node", "plugins": [
@@ -237,7 +240,7 @@ func (n *bedNode) startAgent() {
 		"--devices=" + netnstest.UplinkName, "--grpc-listen=" + n.grpc, "--ca-dir=" + n.bed.caDir,
 		"--bypass-check-interval=1s"}, n.bed.cluster.agentArgs(n)...)
 	if n.inPod {
-		args = append(args, "--redirect-mode=inpod", "--zds-socket="+n.zdsSocket)
+		args = append(args, "--redirect-mode=inpod", "--zds-socket="+n.zdsSocket, "--netns-dir="+n.netnsDir)
 	}
 	n.agent = n.bed.start(n.ns.Name, filepath.Join(n.stateDir, "agent.log"), os.Environ(), args...)
 }
@@ -466,6 +469,7 @@ func (n *bedNode) addPod(name, namespace string, enrolled, isProxy bool) *bedPod
 		p.serviceAccount = "ztunnel"
 	}
 	p.ns.Sysctl(b.t, "ipv6/conf/default/accept_dad", "0")
+	p.ns.Pin(b.t, filepath.Join(n.netnsDir, p.ns.Name))
 	p.sb = cnitest.NewSandbox(p.ns, namespace, name)
 	p.sb.Addrs = []netip.Prefix{netip.PrefixFrom(p.ip4, 24), netip.PrefixFrom(p.ip6, 64)}
 	p.sb.Gateways = []netip.Addr{netip.AddrFrom4([4]byte{10, byte(n.index), 0, 1}), netip.MustParseAddr(fmt.Sprintf("fd00:%d::1", n.index))}

@@ -20,7 +20,17 @@ const CNIPodsTableName = "cni-pods"
 const (
 	CNIStateAllowed = "allowed" // not enrolled, or redirected: the pod may start
 	CNIStateWaiting = "waiting" // enrolled, redirection not in place (or pod unknown)
+	// CNIStateFound: no plugin reported the sandbox (it started before
+	// the plugin was in the chain); the in-pod mode found its namespace.
+	CNIStateFound = "found"
 )
+
+// CNIReports keeps a cni-pods row as a report of the plugin is kept: in
+// the state folder first, then in the table, so that a restarted agent
+// knows it too. Package cni provides it.
+type CNIReports interface {
+	Keep(row *CNIPod) error
+}
 
 // CNIPod is one container (sandbox) the CNI plugin asked about at ADD, with
 // the addresses from its prevResult. It is the only source of a new pod's

@@ -89,6 +89,20 @@ func NewNS(t testing.TB, prefix string) *NS {
 	return ns
 }
 
+// Pin pins the namespace at path as a container runtime pins a pod's (a
+// bind mount of its /var/run/netns file); t.Cleanup unmounts it.
+func (ns *NS) Pin(t testing.TB, path string) {
+	t.Helper()
+	must(t, os.WriteFile(path, nil, 0o600))
+	must(t, wrap(unix.Mount(filepath.Join("/var/run/netns", ns.Name), path, "", unix.MS_BIND, ""), "pin netns %s at %s", ns.Name, path))
+	t.Cleanup(func() {
+		if err := unix.Unmount(path, unix.MNT_DETACH); err != nil {
+			t.Errorf("unpin netns %s: %v", path, err)
+		}
+		os.Remove(path)
+	})
+}
+
 // Do runs fn on an OS thread switched into the namespace. Sockets fn opens
 // belong to the namespace and may be used from any goroutine afterwards.
 func (ns *NS) Do(fn func() error) error { return nsthread.Do(ns.Handle, fn) }

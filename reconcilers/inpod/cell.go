@@ -53,6 +53,9 @@ var Core = cell.Group(
 	),
 	// Enrolled local pods into the tables.
 	cell.Invoke(registerDerivation),
+	// The namespaces of enrolled pods no CNI report names, found by their
+	// addresses and kept as reports.
+	cell.Invoke(registerSearch),
 	// Redirections into the pods' namespaces; in the l2 mode, out of them.
 	cell.ProvidePrivate(newReconciler),
 	cell.Invoke(func(reconciler.Reconciler[*Redirection]) {}),
@@ -70,15 +73,24 @@ type Config struct {
 	// ZDSSocket is where ztunnel connects (flag --zds-socket): its
 	// INPOD_UDS.
 	ZDSSocket string
+	// NetnsDir is where the container runtime pins pods' network
+	// namespaces (flag --netns-dir), searched for those no CNI report
+	// names; empty: never searched.
+	NetnsDir string
 }
 
 // DefaultZDSSocket is ztunnel's default INPOD_UDS.
 const DefaultZDSSocket = "/var/run/ztunnel/ztunnel.sock"
 
-var defaultConfig = Config{ZDSSocket: DefaultZDSSocket}
+// DefaultNetnsDir is where containerd and CRI-O pin pods' namespaces.
+const DefaultNetnsDir = "/var/run/netns"
+
+var defaultConfig = Config{ZDSSocket: DefaultZDSSocket, NetnsDir: DefaultNetnsDir}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("zds-socket", def.ZDSSocket,
 		"--redirect-mode=inpod: the UNIX socket ztunnel connects to (its INPOD_UDS; Cilium's chart uses /var/run/cilium/ztunnel.sock)")
+	flags.String("netns-dir", def.NetnsDir,
+		"--redirect-mode=inpod: the folder where the container runtime pins pods' network namespaces, searched by address for an enrolled pod no CNI report names (one started before mtlsbridge-cni was chained); empty: never searched")
 }

@@ -125,13 +125,89 @@ status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
 	}
 }
 
+// TestKernelFindsUnreportedNetns: an enrolled pod that no CNI report
+// names (it started before mtlsbridge-cni was chained) is found in the
+// runtime's folder of namespaces by its addresses, among a plain pod's
+// namespace, a node's, and a file that is none, and redirected there; its
+// namespace pinned twice is still one.
+func TestKernelFindsUnreportedNetns(t *testing.T) {
+	netnstest.RequirePrivileged(t)
+	n1, n2 := netnstest.NewNodes(t)
+	a := n1.AddPod(t, "a")
+	plain := n1.AddPod(t, "plain")
+	r := n2.AddPod(t, "r")
+	r.Serve(t, "r", 8080, false, r.IP4, r.IP6)
+	folder := t.TempDir()
+	for _, ns := range []*netnstest.NS{a.NS, plain.NS, n1.NS} {
+		ns.Pin(t, filepath.Join(folder, ns.Name))
+	}
+	a.NS.Pin(t, filepath.Join(folder, "again-"+a.NS.Name))
+	must(t, os.WriteFile(filepath.Join(folder, "not-a-netns"), nil, 0o600))
+
+	manifests := t.TempDir()
+	dir, err := os.MkdirTemp("", "inpod-")
+	must(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	socket := filepath.Join(dir, "ztunnel.sock")
+	must(t, manifesttest.Write(manifests, "cluster.yaml", fmt.Appendf(nil, `apiVersion: v1
+kind: Namespace
+metadata: {name: app}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: app, uid: a-1, labels: {cilium.io/redir-type: workload}}
+spec: {nodeName: node-a}
+status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: plain, namespace: app, uid: plain-1}
+spec: {nodeName: node-a}
+status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
+`, a.IP4, a.IP6, plain.IP4, plain.IP6)))
+
+	z := &netnsZtunnel{listeners: map[string][]net.Listener{}}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- (&zds.Client{Path: socket, Handler: z, Log: slog.New(slog.DiscardHandler), MaxBackoff: 50 * time.Millisecond}).Run(ctx)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("ztunnel: %v", err)
+		}
+		z.closeAll()
+	})
+
+	ag := startAgent(t, manifests, nil, "--redirect-mode=inpod", "--zds-socket="+socket, "--netns-dir="+folder)
+	ag.waitSteered(t, "app/a", a.IP4, a.IP6)
+	expectRules(t, a, "in place")
+	for _, dst := range []netip.Addr{r.IP4, r.IP6} {
+		if got, err := a.Ask(netip.AddrPortFrom(dst, 8080)); err != nil || got.Server != "ztunnel-a-1" {
+			t.Errorf("a -> %s: %v %v, want ztunnel's listener in a's namespace", dst, got, err)
+		}
+	}
+	if gaps := rulesGaps(t, plain); !strings.HasPrefix(gaps, inpod.GapTableMissing) {
+		t.Errorf("the plain pod's namespace: gaps %q, want no redirection", gaps)
+	}
+	var found []string
+	for row := range ag.cniPods.All(ag.db.ReadTxn()) {
+		found = append(found, fmt.Sprintf("%s %s %s %s", row.Pod, row.UID, filepath.Dir(row.Netns), row.State))
+	}
+	if want := fmt.Sprintf("app/a a-1 %s %s", folder, tables.CNIStateFound); len(found) != 1 || found[0] != want {
+		t.Errorf("cni-pods: %q, want one row %q", found, want)
+	}
+}
+
 const waitTimeout = 20 * time.Second
 
 // testAgent is a hive of the in-pod mode on the real kernel.
 type testAgent struct {
-	h     *hive.Hive
-	db    *statedb.DB
-	modes steering.Modes
+	h       *hive.Hive
+	db      *statedb.DB
+	cniPods statedb.Table[*tables.CNIPod]
+	modes   steering.Modes
 }
 
 // startAgent starts the agent; the CNI report comes back from the state
@@ -144,20 +220,23 @@ func startAgent(t *testing.T, manifests string, report *tables.CNIPod, flags ...
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
 		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, readiness.Cell, workload.Cell,
 		// In the l2 mode, every pod is steered at once.
-		cell.Provide(l2.Out),
+		cell.Provide(l2.Out, newTableReports),
 		inpod.Cell,
 		cell.Invoke(func(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], m steering.Modes) {
-			ag.db, ag.modes = db, m
+			ag.db, ag.cniPods, ag.modes = db, cniPods, m
 			wtxn := db.WriteTxn(cniPods)
 			done := cniPods.RegisterInitializer(wtxn, "test-restore")
-			cniPods.Insert(wtxn, report)
+			if report != nil {
+				cniPods.Insert(wtxn, report)
+			}
 			done(wtxn)
 			wtxn.Commit()
 		}),
 	)
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(fs)
-	must(t, fs.Parse(append([]string{"--source=dir:" + manifests, "--node-name=node-a"}, flags...)))
+	// The host's namespaces are never searched (flags may name a folder).
+	must(t, fs.Parse(append([]string{"--source=dir:" + manifests, "--node-name=node-a", "--netns-dir=" + t.TempDir()}, flags...)))
 	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
 	defer cancel()
 	must(t, h.Start(hivetest.Logger(t), ctx))

@@ -60,20 +60,9 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 	if len(ips) == 0 {
 		return nil
 	}
-	h, err := netlink.NewHandleAt(netns.NsHandle(f.Fd()))
+	have, err := netnsAddrs(netns.NsHandle(f.Fd()))
 	if err != nil {
 		return err
-	}
-	defer h.Close()
-	addrs, err := h.AddrList(nil, netlink.FAMILY_ALL)
-	if err != nil {
-		return err
-	}
-	var have []netip.Addr
-	for _, a := range addrs {
-		if ip, ok := netip.AddrFromSlice(a.IP); ok {
-			have = append(have, ip.Unmap())
-		}
 	}
 	for _, ip := range ips {
 		if !slices.Contains(have, ip.Unmap()) {
@@ -81,6 +70,26 @@ func checkPodNetns(f *os.File, ips []netip.Addr) error {
 		}
 	}
 	return nil
+}
+
+// netnsAddrs lists the addresses of the namespace ns.
+func netnsAddrs(ns netns.NsHandle) ([]netip.Addr, error) {
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return nil, err
+	}
+	defer h.Close()
+	addrs, err := h.AddrList(nil, netlink.FAMILY_ALL)
+	if err != nil {
+		return nil, err
+	}
+	have := make([]netip.Addr, 0, len(addrs))
+	for _, a := range addrs {
+		if ip, ok := netip.AddrFromSlice(a.IP); ok {
+			have = append(have, ip.Unmap())
+		}
+	}
+	return have, nil
 }
 
 // ownNetns identifies the agent's own network namespace. It is read on a

@@ -77,13 +77,16 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell,
 		readiness.Cell, workload.Cell,
 		cell.Module("inpod-test", "In-pod mode on namespaces in memory",
-			cell.Provide(func() inpod.Target { return target }),
+			cell.Provide(func() inpod.Target { return target }, newTableReports),
 			inpod.Core,
 		),
 		// The l2 mode's datapath has tests of its own; in these, l2 is a
 		// mode that steers what l2/steer says.
 		cell.Provide(l2.Out),
 		cell.Invoke(func(m steering.Modes, d *statedb.DB) { modes, db = m, d }),
+		cell.Provide(func(h *cell.SimpleHealth) hive.ScriptCmdOut {
+			return hive.NewScriptCmd("health", cell.SimpleHealthCmd(h))
+		}),
 	)
 	cmds := target.commands()
 	zt := &ztunnels{t: t, socket: socket, running: map[string]*ztunnel{}}
@@ -155,6 +158,24 @@ func l2Commands(m *steeringtest.Mode) map[string]script.Cmd {
 				return nil, nil
 			}),
 	}
+}
+
+// tableReports keeps rows in the table only (package cni, which keeps
+// them on disk too, has tests of its own).
+type tableReports struct {
+	db      *statedb.DB
+	cniPods statedb.RWTable[*tables.CNIPod]
+}
+
+func newTableReports(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod]) tables.CNIReports {
+	return tableReports{db, cniPods}
+}
+
+func (r tableReports) Keep(row *tables.CNIPod) error {
+	wtxn := r.db.WriteTxn(r.cniPods)
+	r.cniPods.Insert(wtxn, row)
+	wtxn.Commit()
+	return nil
 }
 
 // fakeTarget is pods' namespaces in memory: their addresses, and whether
@@ -277,6 +298,18 @@ func (f *fakeTarget) CloseAll(path string, _ inpod.NetnsID) (int, error) {
 	}
 	f.emptied[f.resolve(path)] = true
 	return 0, nil
+}
+
+func (f *fakeTarget) Namespaces(dir string) ([]inpod.Namespace, []error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var found []inpod.Namespace
+	for path, addrs := range f.namespaces {
+		if filepath.Dir(path) == dir {
+			found = append(found, inpod.Namespace{Path: path, ID: inpod.NetnsID{Ino: f.ids[path]}, IPs: addrs})
+		}
+	}
+	return found, nil
 }
 
 func (f *fakeTarget) commands() map[string]script.Cmd {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -47,6 +48,19 @@ type Target interface {
 	// (listeners stay), and returns how many there were; a namespace that
 	// is gone has none.
 	CloseAll(path string, id NetnsID) (int, error)
+	// Namespaces lists the network namespaces pinned in dir, but the
+	// node's, with the addresses each holds. Entries that are no network
+	// namespace are passed over; one that cannot be read is an error of
+	// its own, and the others are listed all the same.
+	Namespaces(dir string) ([]Namespace, []error)
+}
+
+// Namespace is a network namespace pinned in a folder: where, which, and
+// its addresses.
+type Namespace struct {
+	Path string
+	ID   NetnsID
+	IPs  []netip.Addr
 }
 
 // NetnsID identifies a network namespace, whatever path names it: its
@@ -150,6 +164,38 @@ func (netlinkTarget) CloseAll(path string, id NetnsID) (closed int, err error) {
 		return 0, nil
 	}
 	return closed, err
+}
+
+func (netlinkTarget) Namespaces(dir string) ([]Namespace, []error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, []error{err}
+	}
+	var found []Namespace
+	var errs []error
+	for _, e := range entries {
+		if e.IsDir() {
+			continue
+		}
+		path := filepath.Join(dir, e.Name())
+		ns := Namespace{Path: path}
+		err := inPodNetns(path, nil, func(h netns.NsHandle) (err error) {
+			if ns.ID, err = netnsID(h); err != nil {
+				return err
+			}
+			ns.IPs, err = netnsAddrs(h)
+			return err
+		})
+		switch {
+		case err == nil:
+			found = append(found, ns)
+		case errors.Is(err, os.ErrNotExist), errors.Is(err, zds.ErrNotNetns), errors.Is(err, ErrNodeNetns):
+			// Gone meanwhile, a file of another kind, the node's own.
+		default:
+			errs = append(errs, fmt.Errorf("netns %s: %w", path, err))
+		}
+	}
+	return found, errs
 }
 
 // statNetns is the identity of what path names now; the error is stat's.
