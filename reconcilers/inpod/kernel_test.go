@@ -52,10 +52,6 @@ func TestKernel(t *testing.T) {
 	r := n2.AddPod(t, "r")
 	r.Serve(t, "r", 8080, false, r.IP4, r.IP6)
 	manifests := t.TempDir()
-	dir, err := os.MkdirTemp("", "inpod-")
-	must(t, err)
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	socket := filepath.Join(dir, "ztunnel.sock")
 	path := "/var/run/netns/" + a.NS.Name
 	must(t, manifesttest.Write(manifests, "cluster.yaml", fmt.Appendf(nil, `apiVersion: v1
 kind: Namespace
@@ -70,19 +66,7 @@ status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
 	report := &tables.CNIPod{ContainerID: "sandbox-a", Pod: "app/a", UID: "a-1", IPs: []netip.Addr{a.IP4, a.IP6},
 		Netns: path, State: tables.CNIStateWaiting, Updated: time.Now()}
 
-	z := &netnsZtunnel{listeners: map[string][]net.Listener{}}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- (&zds.Client{Path: socket, Handler: z, Log: slog.New(slog.DiscardHandler), MaxBackoff: 50 * time.Millisecond}).Run(ctx)
-	}()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("ztunnel: %v", err)
-		}
-		z.closeAll()
-	})
+	socket := startZtunnel(t)
 
 	// The agent in the in-pod mode.
 	ag := startAgent(t, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket)
@@ -145,10 +129,6 @@ func TestKernelFindsUnreportedNetns(t *testing.T) {
 	must(t, os.WriteFile(filepath.Join(folder, "not-a-netns"), nil, 0o600))
 
 	manifests := t.TempDir()
-	dir, err := os.MkdirTemp("", "inpod-")
-	must(t, err)
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	socket := filepath.Join(dir, "ztunnel.sock")
 	must(t, manifesttest.Write(manifests, "cluster.yaml", fmt.Appendf(nil, `apiVersion: v1
 kind: Namespace
 metadata: {name: app}
@@ -166,19 +146,7 @@ spec: {nodeName: node-a}
 status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
 `, a.IP4, a.IP6, plain.IP4, plain.IP6)))
 
-	z := &netnsZtunnel{listeners: map[string][]net.Listener{}}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- (&zds.Client{Path: socket, Handler: z, Log: slog.New(slog.DiscardHandler), MaxBackoff: 50 * time.Millisecond}).Run(ctx)
-	}()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("ztunnel: %v", err)
-		}
-		z.closeAll()
-	})
+	socket := startZtunnel(t)
 
 	ag := startAgent(t, manifests, nil, "--redirect-mode=inpod", "--zds-socket="+socket, "--netns-dir="+folder)
 	ag.waitSteered(t, "app/a", a.IP4, a.IP6)
@@ -198,6 +166,30 @@ status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
 	if want := fmt.Sprintf("app/a a-1 %s %s", folder, tables.CNIStateFound); len(found) != 1 || found[0] != want {
 		t.Errorf("cni-pods: %q, want one row %q", found, want)
 	}
+}
+
+// startZtunnel runs a ZDS client as ztunnel (netnsZtunnel) on a socket
+// the agent is to serve, and returns the socket's path.
+func startZtunnel(t *testing.T) string {
+	// Short: UNIX socket paths are limited to 108 bytes.
+	dir, err := os.MkdirTemp("", "inpod-")
+	must(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	socket := filepath.Join(dir, "ztunnel.sock")
+	z := &netnsZtunnel{listeners: map[string][]net.Listener{}}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- (&zds.Client{Path: socket, Handler: z, Log: slog.New(slog.DiscardHandler), MaxBackoff: 50 * time.Millisecond}).Run(ctx)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("ztunnel: %v", err)
+		}
+		z.closeAll()
+	})
+	return socket
 }
 
 const waitTimeout = 20 * time.Second
