@@ -229,7 +229,7 @@ func (h *handler) record(key string, req plugin.Request, ans plugin.Answer, aske
 		return
 	}
 	row.Updated = time.Now()
-	if err := h.reports().Keep(row); err != nil {
+	if err := h.reports().Keep(row, nil); err != nil {
 		h.Log.Error("Cannot keep the CNI report in the state folder; a restarted agent will not know the pod's addresses until the API has them",
 			"pod", key, "container", req.ContainerID, "error", err)
 	}

@@ -18,16 +18,34 @@ type reports struct {
 
 var _ tables.CNIReports = reports{}
 
-// Keep writes the row on disk, then into the table: a row the table shows
-// is one a restarted agent still knows. The table has it even when the
-// disk refuses it (the error says so): the running agent needs it now.
-func (r reports) Keep(row *tables.CNIPod) error {
+// Keep checks and writes in one transaction: on disk first, so that a
+// row the table shows is one a restarted agent still knows. The table
+// has it even when the disk refuses it (the error says so): the running
+// agent needs it now.
+func (r reports) Keep(row *tables.CNIPod, check func(statedb.ReadTxn) error) error {
+	wtxn := r.db.WriteTxn(r.cniPods)
+	defer wtxn.Abort()
+	if check != nil {
+		if err := check(wtxn); err != nil {
+			return err
+		}
+	}
 	err := validContainerID(row.ContainerID)
 	if err == nil {
 		err = r.store.save(row)
 	}
-	wtxn := r.db.WriteTxn(r.cniPods)
 	r.cniPods.Insert(wtxn, row)
 	wtxn.Commit()
 	return err
+}
+
+// Drop removes the row from the table and the disk.
+func (r reports) Drop(row *tables.CNIPod) error {
+	wtxn := r.db.WriteTxn(r.cniPods)
+	r.cniPods.Delete(wtxn, row)
+	wtxn.Commit()
+	if validContainerID(row.ContainerID) != nil {
+		return nil // never on disk
+	}
+	return r.store.remove(row.ContainerID)
 }

@@ -141,14 +141,14 @@ func TestReportsKeep(t *testing.T) {
 	r := reports{db: db, cniPods: cniPods, store: s}
 	found := &tables.CNIPod{ContainerID: "found-0123456789abcdef", Pod: "app/old", UID: "u1", Netns: "/var/run/netns/cni-1",
 		State: tables.CNIStateFound, Enrolled: true}
-	if err := r.Keep(found); err != nil {
+	if err := r.Keep(found, nil); err != nil {
 		t.Fatal(err)
 	}
 	if rows, errs := s.load(); len(errs) != 0 || len(rows) != 1 || rows[0].Netns != found.Netns || rows[0].State != tables.CNIStateFound {
 		t.Errorf("on disk: %v %v, want the row found", rows, errs)
 	}
 	bad := &tables.CNIPod{ContainerID: "../escape", Pod: "app/x"}
-	if err := r.Keep(bad); err == nil {
+	if err := r.Keep(bad, nil); err == nil {
 		t.Errorf("a container id that is no file name was kept on disk")
 	}
 	if _, err := os.Stat(filepath.Join(s.dir, "..", "escape.json")); !errors.Is(err, os.ErrNotExist) {

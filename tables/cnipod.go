@@ -25,11 +25,15 @@ const (
 	CNIStateFound = "found"
 )
 
-// CNIReports keeps a cni-pods row as a report of the plugin is kept: in
-// the state folder first, then in the table, so that a restarted agent
-// knows it too. Package cni provides it.
+// CNIReports keeps cni-pods rows as the plugin's reports are kept: in the
+// state folder, so that a restarted agent knows them too, and in the
+// table. Package cni provides it.
 type CNIReports interface {
-	Keep(row *CNIPod) error
+	// Keep writes row, unless check, given the write transaction, says
+	// why not (nil: always).
+	Keep(row *CNIPod, check func(statedb.ReadTxn) error) error
+	// Drop removes row.
+	Drop(row *CNIPod) error
 }
 
 // CNIPod is one container (sandbox) the CNI plugin asked about at ADD, with

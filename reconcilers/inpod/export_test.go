@@ -2,9 +2,21 @@
 
 package inpod
 
+import (
+	"github.com/cilium/statedb"
+
+	"github.com/mtlsbridge/mtlsbridge/tables"
+)
+
 // NetlinkTargetForTests is the cell's target, for tests that read real
 // namespaces.
 func NetlinkTargetForTests() Target { return newNetlinkTarget() }
 
 // PruneInterval is the reconciler's periodic prune interval.
 const PruneInterval = pruneInterval
+
+// TableReportsForTests keeps cni-pods rows in the table only (package
+// cni, which keeps them on disk too, has tests of its own).
+func TableReportsForTests(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod]) tables.CNIReports {
+	return tableReportsOf{db, cniPods}
+}

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -168,6 +169,41 @@ status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
 	}
 }
 
+// TestNamespaces: the listing of a folder of pinned namespaces gives each
+// pod's namespace once per pin with its identity and addresses, and
+// passes over the agent's own namespace (the node's) and a file that is
+// none, without an error.
+func TestNamespaces(t *testing.T) {
+	netnstest.RequirePrivileged(t)
+	n1, _ := netnstest.NewNodes(t)
+	a := n1.AddPod(t, "a")
+	folder := t.TempDir()
+	a.NS.Pin(t, filepath.Join(folder, "a"))
+	own := filepath.Join(folder, "own")
+	must(t, os.WriteFile(own, nil, 0o600))
+	must(t, unix.Mount("/proc/self/ns/net", own, "", unix.MS_BIND, ""))
+	t.Cleanup(func() { unix.Unmount(own, unix.MNT_DETACH) })
+	must(t, os.WriteFile(filepath.Join(folder, "not-a-netns"), nil, 0o600))
+
+	target := inpod.NetlinkTargetForTests()
+	namespaces, errs := target.Namespaces(folder)
+	if len(errs) > 0 {
+		t.Errorf("errors: %v", errs)
+	}
+	id, err := target.Identify("/var/run/netns/" + a.NS.Name)
+	must(t, err)
+	var got []string
+	for _, ns := range namespaces {
+		// Without the link-local addresses the kernel adds in its time.
+		ips := slices.DeleteFunc(slices.Clone(ns.IPs), netip.Addr.IsLinkLocalUnicast)
+		slices.SortFunc(ips, netip.Addr.Compare)
+		got = append(got, fmt.Sprintf("%s same:%v %v", filepath.Base(ns.Path), ns.ID == id, ips))
+	}
+	if want := fmt.Sprintf("a same:true [%s 127.0.0.1 ::1 %s]", a.IP4, a.IP6); !slices.Equal(got, []string{want}) {
+		t.Errorf("listed %q, want only %q", got, want)
+	}
+}
+
 // startZtunnel runs a ZDS client as ztunnel (netnsZtunnel) on a socket
 // the agent is to serve, and returns the socket's path.
 func startZtunnel(t *testing.T) string {
@@ -212,7 +248,7 @@ func startAgent(t *testing.T, manifests string, report *tables.CNIPod, flags ...
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
 		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, readiness.Cell, workload.Cell,
 		// In the l2 mode, every pod is steered at once.
-		cell.Provide(l2.Out, newTableReports),
+		cell.Provide(l2.Out, inpod.TableReportsForTests),
 		inpod.Cell,
 		cell.Invoke(func(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], m steering.Modes) {
 			ag.db, ag.cniPods, ag.modes = db, cniPods, m

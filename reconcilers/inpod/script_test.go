@@ -77,7 +77,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell,
 		readiness.Cell, workload.Cell,
 		cell.Module("inpod-test", "In-pod mode on namespaces in memory",
-			cell.Provide(func() inpod.Target { return target }, newTableReports),
+			cell.Provide(func() inpod.Target { return target }, inpod.TableReportsForTests),
 			inpod.Core,
 		),
 		// The l2 mode's datapath has tests of its own; in these, l2 is a
@@ -158,24 +158,6 @@ func l2Commands(m *steeringtest.Mode) map[string]script.Cmd {
 				return nil, nil
 			}),
 	}
-}
-
-// tableReports keeps rows in the table only (package cni, which keeps
-// them on disk too, has tests of its own).
-type tableReports struct {
-	db      *statedb.DB
-	cniPods statedb.RWTable[*tables.CNIPod]
-}
-
-func newTableReports(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod]) tables.CNIReports {
-	return tableReports{db, cniPods}
-}
-
-func (r tableReports) Keep(row *tables.CNIPod) error {
-	wtxn := r.db.WriteTxn(r.cniPods)
-	r.cniPods.Insert(wtxn, row)
-	wtxn.Commit()
-	return nil
 }
 
 // fakeTarget is pods' namespaces in memory: their addresses, and whether
@@ -300,7 +282,7 @@ func (f *fakeTarget) CloseAll(path string, _ inpod.NetnsID) (int, error) {
 	return 0, nil
 }
 
-func (f *fakeTarget) Namespaces(dir string) ([]inpod.Namespace, []error) {
+func (f *fakeTarget) Namespaces(dir string) ([]inpod.Namespace, map[string]error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var found []inpod.Namespace

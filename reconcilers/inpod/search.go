@@ -8,7 +8,10 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"maps"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -29,13 +32,24 @@ import (
 // was lost. Without it such a pod is not redirected until it restarts.
 // istio-cni's node agent finds them through /proc (hostPID); the agent
 // looks in the folder where the runtime pins pods' namespaces
-// (--netns-dir) for the one namespace that holds every address the API
-// shows for the pod. None, or more than one (a dead sandbox's may hold
-// them too), and the pod stays unredirected, named in the module's health
-// and the log. A namespace that a report of another pod names is that
-// pod's, never a candidate. The one found is kept as a report
-// (tables.CNIStateFound), so that whatever reads reports (the derivation,
-// the prune, the l2 mode's cleanup, a restarted agent) reads it too.
+// (--netns-dir).
+//
+// A wrong answer would hand one pod's identity to another pod's
+// namespace, so a namespace is chosen only when nothing speaks against
+// it: it is the one namespace of the folder, every entry read, whose
+// addresses are exactly those the API shows for the pod (loopback and
+// link-local aside); no report names it (a namespace is compared by
+// identity, under whatever path); no other pod the API shows has any of
+// those addresses (a deleted pod's may be reused); and a second search,
+// searchConfirm later, finds the same (a sandbox in the middle of its ADD
+// holds its addresses before the plugin reports it). A pod whose report
+// went while the agent watched (a CNI DEL) is not searched for: its next
+// sandbox is reported. The one found is kept as a report
+// (tables.CNIStateFound, no addresses: the API's count), so that whatever
+// reads reports (the derivation, the prune, the l2 mode's cleanup, a
+// restarted agent) reads it too; it is dropped once its namespace is gone
+// or holds other addresses, or a report names the pod's sandbox or that
+// namespace.
 type searchParams struct {
 	cell.In
 
@@ -51,14 +65,22 @@ type searchParams struct {
 	Reports     tables.CNIReports
 }
 
-// searchRetry is how soon a pod whose namespace was not found is searched
-// for again when nothing about it changed; searchSettle how long a pod
-// whose report went while the agent watched waits before it is searched:
-// the plugin's DEL runs before Cilium's, which removes the pod's
-// interface, so its dying namespace holds its addresses meanwhile.
 const (
-	searchRetry  = 30 * time.Second
-	searchSettle = 5 * time.Second
+	// searchConfirm is how long after a namespace is found it must be
+	// found again to be kept.
+	searchConfirm = 5 * time.Second
+	// searchRetry is how soon a pod not found is searched for again when
+	// nothing about it changed, and how often the namespaces kept are
+	// checked.
+	searchRetry = 30 * time.Second
+)
+
+// Why a pod's namespace is not found.
+var (
+	ErrNetnsNotFound   = errors.New("no network namespace holds exactly the pod's addresses")
+	ErrNetnsAmbiguous  = errors.New("several network namespaces hold the pod's addresses")
+	ErrAddressShared   = errors.New("the API shows the pod's addresses for another pod too")
+	ErrNetnsUnreadable = errors.New("the namespaces are not all read, so none is chosen")
 )
 
 type search struct {
@@ -67,23 +89,36 @@ type search struct {
 	reported map[string]bool
 	// pending are the pods without one, by key.
 	pending map[string]*searchState
+	// checked is when the namespaces kept were last checked.
+	checked time.Time
 }
 
-// searchState is a pod without a report: what it is searched with, and
-// why it was not found.
+// searchState is a pod without a report, as long as it shows the same
+// UID and addresses.
 type searchState struct {
-	uid, ips  string
-	notBefore time.Time
+	uid, ips string
+	// deleted: its report went while the agent watched.
+	deleted bool
+	// candidate is the namespace the last search found, since then.
+	candidate *Namespace
+	since     time.Time
 	searched  time.Time
-	reason    string
+	// reason is why the last search found none.
+	reason string
 }
 
-// due is when the pod is to be searched (again).
-func (st *searchState) due() time.Time {
-	if st.searched.IsZero() {
-		return st.notBefore
+// due is when the pod is to be searched for; false: not while it shows
+// these addresses.
+func (st *searchState) due() (time.Time, bool) {
+	switch {
+	case st.deleted:
+		return time.Time{}, false
+	case st.candidate != nil:
+		return st.since.Add(searchConfirm), true
+	case st.searched.IsZero():
+		return time.Time{}, true
 	}
-	return st.searched.Add(searchRetry)
+	return st.searched.Add(searchRetry), true
 }
 
 func registerSearch(p searchParams) {
@@ -150,103 +185,242 @@ func (s *search) unreported(txn statedb.ReadTxn) (pods []*tables.Pod, reported m
 	return pods, reported, []<-chan struct{}{enrollWatch, podsWatch, cniWatch}
 }
 
-// step searches for the pods that are due and keeps a report for each one
-// found. It returns when the next search is due (zero: none pending).
+// step searches for the pods that are due, keeps what is confirmed and
+// checks what was kept. It returns when to step again (zero: on changes
+// only).
 func (s *search) step(txn statedb.ReadTxn, pods []*tables.Pod, reported map[string]bool, now time.Time) time.Time {
 	var due []*tables.Pod
 	pending := map[string]*searchState{}
 	for _, pod := range pods {
 		st, ok := s.pending[pod.Key()]
 		if !ok || st.uid != pod.UID || st.ips != fmt.Sprint(pod.IPs) {
-			st = &searchState{uid: pod.UID, ips: fmt.Sprint(pod.IPs)}
-			if s.reported[pod.Key()] {
-				st.notBefore = now.Add(searchSettle)
-			}
+			st = &searchState{uid: pod.UID, ips: fmt.Sprint(pod.IPs), deleted: s.reported[pod.Key()]}
 		}
 		pending[pod.Key()] = st
-		if !now.Before(st.due()) {
+		if at, ok := st.due(); ok && !now.Before(at) {
 			due = append(due, pod)
 		}
 	}
 	s.pending, s.reported = pending, reported
-	if len(due) > 0 {
-		s.search(txn, due, now)
+	// What was kept is checked with every listing, at least every
+	// searchRetry.
+	found := s.found(txn)
+	if len(due) > 0 || (len(found) > 0 && now.Sub(s.checked) >= searchRetry) {
+		namespaces, errs := s.Target.Namespaces(s.Config.NetnsDir)
+		s.check(txn, found, namespaces, errs)
+		s.checked = now
+		if len(due) > 0 {
+			s.search(txn, due, namespaces, errs, now)
+		}
 	}
 	var next time.Time
+	if len(found) > 0 {
+		next = s.checked.Add(searchRetry)
+	}
 	for _, st := range s.pending {
-		if next.IsZero() || st.due().Before(next) {
-			next = st.due()
+		if at, ok := st.due(); ok && (next.IsZero() || at.Before(next)) {
+			next = at
 		}
 	}
 	return next
 }
 
-func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, now time.Time) {
-	// A namespace a report names (under whatever path) is its pod's.
-	reported := map[NetnsID]bool{}
-	for row := range s.CNIPods.All(txn) {
-		if id, err := s.Target.Identify(row.Netns); err == nil && row.Netns != "" {
-			reported[id] = true
-		}
+func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Namespace, errs map[string]error, now time.Time) {
+	reported, incomplete := s.reportedNamespaces(txn)
+	if incomplete == nil && len(errs) > 0 {
+		incomplete = unreadable(errs)
 	}
-	namespaces, errs := s.Target.Namespaces(s.Config.NetnsDir)
-	namespaces = slices.DeleteFunc(namespaces, func(ns Namespace) bool { return reported[ns.ID] })
+	candidates := slices.DeleteFunc(slices.Clone(namespaces), func(ns Namespace) bool { return reported[ns.ID] != "" })
 	for _, pod := range pods {
 		st := s.pending[pod.Key()]
 		st.searched = now
-		ns, err := matchNamespace(pod.IPs, namespaces)
+		var ns Namespace
+		err := incomplete
 		if err == nil {
-			err = s.keep(pod, ns, now)
+			ns, err = matchNamespace(pod.IPs, candidates)
 		}
 		if err == nil {
+			err = s.addressesShared(txn, pod)
+		}
+		switch {
+		case err != nil:
+			st.candidate = nil
+			if st.reason != err.Error() {
+				s.Log.Warn("Cannot redirect an enrolled pod: its network namespace is in no CNI report, nor found",
+					"pod", pod.Key(), "folder", s.Config.NetnsDir, "error", err)
+			}
+			st.reason = err.Error()
+		case st.candidate == nil || st.candidate.ID != ns.ID:
+			st.candidate, st.since = &ns, now
+		case now.Sub(st.since) >= searchConfirm:
+			if err := s.keep(pod, ns, now); err != nil {
+				st.candidate, st.reason = nil, err.Error()
+				s.Log.Warn("Found the network namespace of a pod no CNI report names, but cannot keep it", "pod", pod.Key(), "netns", ns.Path, "error", err)
+				continue
+			}
 			s.Log.Info("Found the network namespace of a pod no CNI report names", "pod", pod.Key(), "netns", ns.Path)
 			delete(s.pending, pod.Key())
-			continue
 		}
-		if len(errs) > 0 {
-			err = fmt.Errorf("%w (%d namespaces not read: %w)", err, len(errs), errors.Join(errs...))
-		}
-		if st.reason != err.Error() {
-			s.Log.Warn("Cannot redirect an enrolled pod: its network namespace is in no CNI report, nor found",
-				"pod", pod.Key(), "folder", s.Config.NetnsDir, "error", err)
-		}
-		st.reason = err.Error()
 	}
 }
 
+// reportedNamespaces are the namespaces reports name, and whose; a report
+// whose path cannot be identified (but for a namespace gone) makes it
+// incomplete.
+func (s *search) reportedNamespaces(txn statedb.ReadTxn) (map[NetnsID]string, error) {
+	reported := map[NetnsID]string{}
+	errs := map[string]error{}
+	for row := range s.CNIPods.All(txn) {
+		if row.Netns == "" {
+			continue
+		}
+		id, err := s.Target.Identify(row.Netns)
+		switch {
+		case err == nil:
+			reported[id] = row.Pod
+		case !errors.Is(err, os.ErrNotExist):
+			errs[row.Netns] = err
+		}
+	}
+	if len(errs) > 0 {
+		return reported, unreadable(errs)
+	}
+	return reported, nil
+}
+
+func unreadable(errs map[string]error) error {
+	paths := slices.Sorted(maps.Keys(errs))
+	joined := make([]error, len(paths))
+	for i, path := range paths {
+		joined[i] = fmt.Errorf("%s: %w", path, errs[path])
+	}
+	return fmt.Errorf("%w (%d not read): %w", ErrNetnsUnreadable, len(paths), errors.Join(joined...))
+}
+
+// addressesShared tells whether another pod the API shows (not finished,
+// not on the host's network) has any of the pod's addresses.
+func (s *search) addressesShared(txn statedb.ReadTxn, pod *tables.Pod) error {
+	var others []string
+	for _, ip := range pod.IPs {
+		for other := range s.Pods.List(txn, tables.PodsByIP(ip)) {
+			if other.Key() != pod.Key() && !other.Finished() && !other.HostNetwork && !slices.Contains(others, other.Key()) {
+				others = append(others, other.Key())
+			}
+		}
+	}
+	if len(others) > 0 {
+		return fmt.Errorf("%w: %s", ErrAddressShared, strings.Join(others, ", "))
+	}
+	return nil
+}
+
+// keep writes the report of the namespace found, unless, in the write
+// transaction, the pod changed or a report names it or its namespace now.
 func (s *search) keep(pod *tables.Pod, ns Namespace, now time.Time) error {
-	return s.Reports.Keep(&tables.CNIPod{
-		ContainerID: foundContainerID(ns.Path), Pod: pod.Key(), UID: pod.UID, IPs: pod.IPs, Netns: ns.Path,
+	row := &tables.CNIPod{
+		ContainerID: foundContainerID(ns.Path), Pod: pod.Key(), UID: pod.UID, Netns: ns.Path,
 		Enrolled: true, Reason: "no CNI report; found by its addresses in " + s.Config.NetnsDir,
 		State: tables.CNIStateFound, Updated: now,
+	}
+	return s.Reports.Keep(row, func(txn statedb.ReadTxn) error {
+		cur, _, ok := s.Pods.Get(txn, tables.PodByKey(pod.Key()))
+		switch {
+		case !ok || cur.UID != pod.UID || !slices.Equal(cur.IPs, pod.IPs):
+			return errors.New("the pod changed meanwhile")
+		case newestReport(txn, s.CNIPods, cur) != nil:
+			return errors.New("its sandbox was reported meanwhile")
+		}
+		reported, err := s.reportedNamespaces(txn)
+		if owner := reported[ns.ID]; owner != "" {
+			return fmt.Errorf("%s is named by a report of %s now", ns.Path, owner)
+		}
+		return err
 	})
+}
+
+// found are the reports the search kept.
+func (s *search) found(txn statedb.ReadTxn) []*tables.CNIPod {
+	var rows []*tables.CNIPod
+	for row := range s.CNIPods.All(txn) {
+		if row.State == tables.CNIStateFound {
+			rows = append(rows, row)
+		}
+	}
+	return rows
+}
+
+// check drops a kept report whose namespace is gone or no longer holds
+// exactly the pod's addresses, or that a report of the pod's sandbox, or
+// of another pod naming that namespace, supersedes.
+func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces []Namespace, errs map[string]error) {
+	byPath := map[string]Namespace{}
+	for _, ns := range namespaces {
+		byPath[ns.Path] = ns
+	}
+	reported := map[NetnsID]string{}
+	for row := range s.CNIPods.All(txn) {
+		if row.State == tables.CNIStateFound || row.Netns == "" {
+			continue
+		}
+		if id, err := s.Target.Identify(row.Netns); err == nil {
+			reported[id] = row.Pod
+		}
+	}
+	for _, row := range found {
+		pod, _, ok := s.Pods.Get(txn, tables.PodByKey(row.Pod))
+		if !ok || filepath.Dir(row.Netns) != filepath.Clean(s.Config.NetnsDir) || errs[row.Netns] != nil {
+			continue // gone from the API (package cni drops it), found in another folder, or unread
+		}
+		ns, listed := byPath[row.Netns]
+		var why string
+		switch {
+		case s.sandboxReported(txn, pod):
+			why = "the pod's sandbox is reported"
+		case !listed:
+			why = "its namespace is gone"
+		case reported[ns.ID] != "":
+			why = "a report of " + reported[ns.ID] + " names its namespace"
+		case !sameAddrs(ns.IPs, pod.IPs):
+			why = "its namespace does not hold exactly the pod's addresses any more"
+		default:
+			continue
+		}
+		if err := s.Reports.Drop(row); err != nil {
+			s.Log.Warn("Cannot drop a network namespace found for a pod", "pod", row.Pod, "netns", row.Netns, "error", err)
+			continue
+		}
+		s.Log.Info("Dropped the network namespace found for a pod", "pod", row.Pod, "netns", row.Netns, "reason", why)
+	}
+}
+
+// sandboxReported tells whether a report of the plugin names a
+// namespace of the pod.
+func (s *search) sandboxReported(txn statedb.ReadTxn, pod *tables.Pod) bool {
+	for row := range s.CNIPods.List(txn, tables.CNIPodsByPod(pod.Key())) {
+		if row.State != tables.CNIStateFound && row.Netns != "" && pod.MatchesUID(row.UID) {
+			return true
+		}
+	}
+	return false
 }
 
 // notFound says which pods were searched for in vain, and why.
 func (s *search) notFound() error {
 	var errs []error
-	for pod, st := range s.pending {
-		if st.reason != "" {
-			errs = append(errs, fmt.Errorf("%s: %s", pod, st.reason))
+	for _, pod := range slices.Sorted(maps.Keys(s.pending)) {
+		if reason := s.pending[pod].reason; reason != "" {
+			errs = append(errs, fmt.Errorf("%s: %s", pod, reason))
 		}
 	}
-	slices.SortFunc(errs, func(a, b error) int { return strings.Compare(a.Error(), b.Error()) })
 	return errors.Join(errs...)
 }
 
-// Why a pod's namespace is not found.
-var (
-	ErrNetnsNotFound  = errors.New("no network namespace holds the pod's addresses")
-	ErrNetnsAmbiguous = errors.New("several network namespaces hold the pod's addresses")
-)
-
-// matchNamespace is the one namespace holding every one of ips.
+// matchNamespace is the one namespace whose addresses are exactly ips.
 func matchNamespace(ips []netip.Addr, namespaces []Namespace) (Namespace, error) {
 	var holding []Namespace
 	for _, ns := range namespaces {
-		holds := !slices.ContainsFunc(ips, func(ip netip.Addr) bool { return !slices.Contains(ns.IPs, ip) })
 		// Pinned twice, a namespace is still one.
-		if holds && !slices.ContainsFunc(holding, func(h Namespace) bool { return h.ID == ns.ID }) {
+		if sameAddrs(ns.IPs, ips) && !slices.ContainsFunc(holding, func(h Namespace) bool { return h.ID == ns.ID }) {
 			holding = append(holding, ns)
 		}
 	}
@@ -260,7 +434,27 @@ func matchNamespace(ips []netip.Addr, namespaces []Namespace) (Namespace, error)
 	for i, ns := range holding {
 		paths[i] = ns.Path
 	}
+	slices.Sort(paths)
 	return Namespace{}, fmt.Errorf("%w: %s", ErrNetnsAmbiguous, strings.Join(paths, ", "))
+}
+
+// sameAddrs compares a namespace's addresses with a pod's, leaving out
+// those every namespace has (loopback, link-local).
+func sameAddrs(held, pod []netip.Addr) bool {
+	return slices.Equal(podAddrSet(held), podAddrSet(pod))
+}
+
+func podAddrSet(addrs []netip.Addr) []netip.Addr {
+	set := make([]netip.Addr, 0, len(addrs))
+	for _, a := range addrs {
+		a = a.Unmap()
+		if a.IsLoopback() || a.IsLinkLocalUnicast() || a.IsMulticast() || a.IsUnspecified() {
+			continue
+		}
+		set = append(set, a)
+	}
+	slices.SortFunc(set, netip.Addr.Compare)
+	return slices.Compact(set)
 }
 
 // foundContainerID names the row of a namespace found: no container id is

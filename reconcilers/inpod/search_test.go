@@ -16,88 +16,251 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
-// TestSearchWhen: a pod never reported is searched for at once; one whose
-// report went while the agent watched only after searchSettle (its dying
-// namespace still holds its addresses); one not found again after
-// searchRetry, or at once when its addresses change; one found is kept as
-// a report and searched no more.
-func TestSearchWhen(t *testing.T) {
+// searchWorld is the search over tables in memory and namespaces the
+// test lists.
+type searchWorld struct {
+	t       *testing.T
+	db      *statedb.DB
+	pods    statedb.RWTable[*tables.Pod]
+	cniPods statedb.RWTable[*tables.CNIPod]
+	target  *searchTarget
+	s       *search
+}
+
+func newSearchWorld(t *testing.T) *searchWorld {
 	db := statedb.New()
+	pods, err := tables.NewPodsTable(db, tables.LocalNode{NodeName: "node-a"})
+	must(t, err)
 	cniPods, err := tables.NewCNIPodsTable(db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	target := &searchTarget{}
-	kept := &keptReports{}
-	s := &search{
+	must(t, err)
+	w := &searchWorld{t: t, db: db, pods: pods, cniPods: cniPods, target: &searchTarget{errs: map[string]error{}}}
+	w.s = &search{
 		searchParams: searchParams{Config: Config{NetnsDir: "/run/netns"}, Log: slog.New(slog.DiscardHandler), DB: db,
-			Target: target, CNIPods: cniPods, Reports: kept},
+			Target: w.target, Pods: pods, CNIPods: cniPods, Reports: tableReportsOf{db, cniPods}},
 		reported: map[string]bool{}, pending: map[string]*searchState{},
 	}
-	pod := func(name, ip string) *tables.Pod {
-		return &tables.Pod{Namespace: "app", Name: name, UID: name + "-1", IPs: []netip.Addr{netip.MustParseAddr(ip)}}
-	}
-	step := func(now time.Time, reported []string, pods ...*tables.Pod) time.Time {
-		set := map[string]bool{}
-		for _, p := range reported {
-			set[p] = true
-		}
-		return s.step(db.ReadTxn(), pods, set, now)
-	}
-	t0 := time.Now()
+	return w
+}
 
-	// new has no report from the start: searched at once, not found.
-	newPod := pod("new", "10.0.1.50")
-	if next := step(t0, nil, newPod); target.searches != 1 || !next.Equal(t0.Add(searchRetry)) {
-		t.Fatalf("first step: %d searches, next %v, want 1 and t0+%v", target.searches, next.Sub(t0), searchRetry)
+func (w *searchWorld) addPod(name string, ips ...string) *tables.Pod {
+	pod := &tables.Pod{Namespace: "app", Name: name, UID: name + "-1", NodeName: "node-a"}
+	for _, ip := range ips {
+		pod.IPs = append(pod.IPs, netip.MustParseAddr(ip))
 	}
-	if err := s.notFound(); err == nil || !strings.Contains(err.Error(), "app/new: "+ErrNetnsNotFound.Error()) {
-		t.Errorf("notFound %v, want app/new's reason", err)
+	wtxn := w.db.WriteTxn(w.pods)
+	w.pods.Insert(wtxn, pod)
+	wtxn.Commit()
+	return pod
+}
+
+func (w *searchWorld) addNamespace(path string, ino uint64, ips ...string) {
+	ns := Namespace{Path: path, ID: NetnsID{Ino: ino}}
+	for _, ip := range append(ips, "127.0.0.1", "::1", "fe80::1") {
+		ns.IPs = append(ns.IPs, netip.MustParseAddr(ip))
 	}
-	step(t0.Add(searchRetry/2), nil, newPod)
-	if target.searches != 1 {
+	w.target.namespaces = append(w.target.namespaces, ns)
+}
+
+func (w *searchWorld) report(row *tables.CNIPod) {
+	wtxn := w.db.WriteTxn(w.cniPods)
+	w.cniPods.Insert(wtxn, row)
+	wtxn.Commit()
+}
+
+// step runs a step at now over the pods given (as unreported would list
+// them), the pods named in reported having a report.
+func (w *searchWorld) step(now time.Time, reported []string, pods ...*tables.Pod) time.Time {
+	set := map[string]bool{}
+	for _, p := range reported {
+		set[p] = true
+	}
+	return w.s.step(w.db.ReadTxn(), pods, set, now)
+}
+
+// kept is the namespace kept for pod, if any.
+func (w *searchWorld) kept(pod *tables.Pod) string {
+	for row := range w.cniPods.List(w.db.ReadTxn(), tables.CNIPodsByPod(pod.Key())) {
+		if row.State == tables.CNIStateFound {
+			return row.Netns
+		}
+	}
+	return ""
+}
+
+func (w *searchWorld) reason(pod *tables.Pod) string {
+	if st := w.s.pending[pod.Key()]; st != nil {
+		return st.reason
+	}
+	return ""
+}
+
+// TestSearchConfirms: a namespace found is kept only when found again
+// searchConfirm later; one not found is searched again after
+// searchRetry, or at once when the pod's addresses change; a pod whose
+// report went (a CNI DEL) is not searched while it shows the same
+// addresses.
+func TestSearchConfirms(t *testing.T) {
+	w := newSearchWorld(t)
+	old := w.addPod("old", "10.0.1.50", "fd00::50")
+	w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50", "fd00::50")
+	t0 := time.Now()
+	if next := w.step(t0, nil, old); w.target.searches != 1 || w.kept(old) != "" || !next.Equal(t0.Add(searchConfirm)) {
+		t.Fatalf("first search: %d searches, kept %q, next +%v; want 1, none, +%v", w.target.searches, w.kept(old), next.Sub(t0), searchConfirm)
+	}
+	w.step(t0.Add(searchConfirm/2), nil, old)
+	if w.target.searches != 1 {
+		t.Errorf("searched again before searchConfirm")
+	}
+	w.step(t0.Add(searchConfirm), nil, old)
+	if got := w.kept(old); got != "/run/netns/cni-old" {
+		t.Fatalf("confirmed: kept %q, want /run/netns/cni-old", got)
+	}
+	row, _, _ := w.cniPods.Get(w.db.ReadTxn(), tables.CNIPodByContainer(foundContainerID("/run/netns/cni-old")))
+	if row.UID != "old-1" || len(row.IPs) != 0 || !row.Enrolled {
+		t.Errorf("kept %+v, want old's UID and no addresses (the API's count)", row)
+	}
+
+	// Not found: searched again after searchRetry, or when it moves.
+	lost := w.addPod("lost", "10.0.1.60")
+	t1 := t0.Add(time.Minute)
+	before := w.target.searches
+	if next := w.step(t1, nil, lost); !strings.Contains(w.reason(lost), ErrNetnsNotFound.Error()) || !next.Equal(t1.Add(searchRetry)) {
+		t.Fatalf("not found: reason %q, next +%v", w.reason(lost), next.Sub(t1))
+	}
+	w.step(t1.Add(searchRetry/2), nil, lost)
+	if w.target.searches != before+1 {
 		t.Errorf("searched again before searchRetry")
 	}
-	// Its addresses change: searched at once.
-	moved := pod("new", "10.0.1.51")
-	step(t0.Add(searchRetry/2), nil, moved)
-	if target.searches != 2 {
-		t.Errorf("%d searches, want one more once the pod's addresses changed", target.searches)
+	moved := w.addPod("lost", "10.0.1.61")
+	w.step(t1.Add(searchRetry/2), nil, moved)
+	if w.target.searches != before+2 {
+		t.Errorf("not searched at once when the pod's addresses changed")
 	}
 
-	// gone loses its report (a CNI DEL) while its namespace still holds
-	// its addresses: not searched for searchSettle.
-	target.namespaces = []Namespace{{Path: "/run/netns/dying", ID: NetnsID{Ino: 1}, IPs: []netip.Addr{netip.MustParseAddr("10.0.1.60")}}}
-	gone := pod("gone", "10.0.1.60")
-	t1 := t0.Add(time.Minute)
-	step(t1, []string{"app/gone"}, moved)
-	before := target.searches
-	if next := step(t1, nil, moved, gone); target.searches != before || !next.Equal(t1.Add(searchSettle)) {
-		t.Fatalf("report gone: %d searches, next %v, want none and t1+%v", target.searches-before, next.Sub(t1), searchSettle)
+	// gone loses its report while its dying namespace holds its
+	// addresses: never searched.
+	gone := w.addPod("gone", "10.0.1.70")
+	w.addNamespace("/run/netns/cni-dying", 7, "10.0.1.70")
+	t2 := t1.Add(time.Minute)
+	w.step(t2, []string{"app/gone"})
+	for _, at := range []time.Duration{0, searchConfirm, searchRetry, time.Hour} {
+		w.step(t2.Add(at), nil, gone)
 	}
-	if len(kept.rows) != 0 {
-		t.Fatalf("kept %v before searchSettle", kept.rows)
-	}
-	// Later, its namespace still holds them (a sandbox that lives on):
-	// found and kept.
-	if next := step(t1.Add(searchSettle), nil, moved, gone); len(kept.rows) != 1 || next.Equal(t1.Add(searchSettle)) {
-		t.Fatalf("after searchSettle: kept %v, next %v", kept.rows, next)
-	}
-	row := kept.rows[0]
-	if row.Pod != "app/gone" || row.UID != "gone-1" || row.Netns != "/run/netns/dying" || row.State != tables.CNIStateFound {
-		t.Errorf("kept %+v", row)
-	}
-	if _, pending := s.pending["app/gone"]; pending {
-		t.Errorf("a pod found is still pending")
+	if st := w.s.pending["app/gone"]; !st.searched.IsZero() || w.kept(gone) != "" {
+		t.Errorf("a pod whose report went: searched at %v, kept %q; want never, none", st.searched, w.kept(gone))
 	}
 }
 
-// TestMatchNamespace: the one namespace holding every address, a
-// namespace pinned twice counting once.
+// TestSearchRefuses: no namespace is chosen when nothing may be: several
+// hold the addresses, one holds more, another pod shows one of them, a
+// report names the one, or an entry (or a report's path) is not read.
+func TestSearchRefuses(t *testing.T) {
+	t0 := time.Now()
+	for _, tc := range []struct {
+		name  string
+		setup func(w *searchWorld)
+		want  error
+	}{
+		{"two namespaces", func(w *searchWorld) { w.addNamespace("/run/netns/cni-dead", 2, "10.0.1.50") }, ErrNetnsAmbiguous},
+		{"more addresses", func(w *searchWorld) {
+			w.target.namespaces[0].IPs = append(w.target.namespaces[0].IPs, netip.MustParseAddr("10.0.1.99"))
+		}, ErrNetnsNotFound},
+		{"address shown for another pod", func(w *searchWorld) { w.addPod("stale", "10.0.1.50") }, ErrAddressShared},
+		{"reported for another pod", func(w *searchWorld) {
+			w.report(&tables.CNIPod{ContainerID: "c-new", Pod: "app/new", UID: "new-1", Netns: "/var/run/netns/alias-of-cni-old"})
+			w.target.aliases = map[string]NetnsID{"/var/run/netns/alias-of-cni-old": {Ino: 1}}
+		}, ErrNetnsNotFound},
+		{"an entry not read", func(w *searchWorld) { w.target.errs["/run/netns/cni-x"] = os.ErrPermission }, ErrNetnsUnreadable},
+		{"a report's path not read", func(w *searchWorld) {
+			w.report(&tables.CNIPod{ContainerID: "c-x", Pod: "app/x", UID: "x-1", Netns: "/proc/4242/ns/net"})
+			w.target.identifyErr = os.ErrPermission
+		}, ErrNetnsUnreadable},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newSearchWorld(t)
+			pod := w.addPod("old", "10.0.1.50")
+			w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+			tc.setup(w)
+			for _, at := range []time.Duration{0, searchConfirm} {
+				w.step(t0.Add(at), nil, pod)
+			}
+			if got := w.kept(pod); got != "" || !strings.Contains(w.reason(pod), tc.want.Error()) {
+				t.Errorf("kept %q, reason %q; want none, %v", got, w.reason(pod), tc.want)
+			}
+			if err := w.s.notFound(); err == nil || !strings.Contains(err.Error(), "app/old: ") {
+				t.Errorf("health: %v, want app/old named", err)
+			}
+		})
+	}
+}
+
+// TestSearchRechecksAtKeep: a report naming the namespace between the
+// search and the keep stops the keep.
+func TestSearchRechecksAtKeep(t *testing.T) {
+	w := newSearchWorld(t)
+	pod := w.addPod("old", "10.0.1.50")
+	w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+	t0 := time.Now()
+	w.step(t0, nil, pod)
+	w.target.onSearch = func() {
+		w.report(&tables.CNIPod{ContainerID: "c-new", Pod: "app/new", UID: "new-1", Netns: "/run/netns/cni-old"})
+	}
+	w.step(t0.Add(searchConfirm), nil, pod)
+	if got := w.kept(pod); got != "" || !strings.Contains(w.reason(pod), "named by a report of app/new") {
+		t.Errorf("kept %q, reason %q; want none, named by app/new's report", got, w.reason(pod))
+	}
+}
+
+// TestSearchDropsWhatItKept: a namespace kept is dropped at the next
+// check once it is gone, holds other addresses, or the pod's sandbox (or
+// another pod naming it) is reported; kept otherwise.
+func TestSearchDropsWhatItKept(t *testing.T) {
+	t0 := time.Now()
+	for _, tc := range []struct {
+		name   string
+		change func(w *searchWorld)
+		drop   bool
+	}{
+		{"nothing changed", func(*searchWorld) {}, false},
+		{"an entry not read", func(w *searchWorld) { w.target.errs["/run/netns/cni-old"] = os.ErrPermission }, false},
+		{"namespace gone", func(w *searchWorld) { w.target.namespaces = nil }, true},
+		{"other addresses", func(w *searchWorld) { w.target.namespaces[0].IPs = []netip.Addr{netip.MustParseAddr("10.0.1.51")} }, true},
+		{"sandbox reported", func(w *searchWorld) {
+			w.report(&tables.CNIPod{ContainerID: "c-old", Pod: "app/old", UID: "old-1", Netns: "/var/run/netns/cni-new"})
+		}, true},
+		{"another pod's report names it", func(w *searchWorld) {
+			w.report(&tables.CNIPod{ContainerID: "c-new", Pod: "app/new", UID: "new-1", Netns: "/run/netns/cni-old"})
+		}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newSearchWorld(t)
+			pod := w.addPod("old", "10.0.1.50")
+			w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+			w.step(t0, nil, pod)
+			w.step(t0.Add(searchConfirm), nil, pod)
+			if w.kept(pod) == "" {
+				t.Fatal("not kept")
+			}
+			tc.change(w)
+			next := w.step(t0.Add(searchConfirm+searchRetry/2), nil)
+			if w.kept(pod) == "" {
+				t.Fatal("dropped before the check is due")
+			}
+			w.step(next, nil)
+			if dropped := w.kept(pod) == ""; dropped != tc.drop {
+				t.Errorf("dropped %v, want %v", dropped, tc.drop)
+			}
+		})
+	}
+}
+
+// TestMatchNamespace: the one namespace holding exactly the addresses
+// (loopback and link-local aside), a namespace pinned twice counting once.
 func TestMatchNamespace(t *testing.T) {
 	a4, a6, b4 := netip.MustParseAddr("10.0.1.1"), netip.MustParseAddr("fd00::1"), netip.MustParseAddr("10.0.1.2")
-	dual := Namespace{Path: "/n/dual", ID: NetnsID{Ino: 1}, IPs: []netip.Addr{a4, a6}}
-	pinnedAgain := Namespace{Path: "/n/again", ID: NetnsID{Ino: 1}, IPs: []netip.Addr{a4, a6}}
+	lo, ll := netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("fe80::1")
+	dual := Namespace{Path: "/n/dual", ID: NetnsID{Ino: 1}, IPs: []netip.Addr{lo, a6, ll, a4}}
+	pinnedAgain := Namespace{Path: "/n/again", ID: NetnsID{Ino: 1}, IPs: dual.IPs}
 	v4only := Namespace{Path: "/n/v4", ID: NetnsID{Ino: 2}, IPs: []netip.Addr{a4}}
 	other := Namespace{Path: "/n/other", ID: NetnsID{Ino: 3}, IPs: []netip.Addr{b4}}
 	for _, tc := range []struct {
@@ -107,8 +270,8 @@ func TestMatchNamespace(t *testing.T) {
 		err        error
 	}{
 		{[]netip.Addr{a4, a6}, []Namespace{other, v4only, dual, pinnedAgain}, "/n/dual", nil},
-		{[]netip.Addr{a4}, []Namespace{other, v4only}, "/n/v4", nil},
-		{[]netip.Addr{a4}, []Namespace{v4only, dual}, "", ErrNetnsAmbiguous},
+		{[]netip.Addr{a4}, []Namespace{other, v4only, dual}, "/n/v4", nil},
+		{[]netip.Addr{a4}, []Namespace{v4only, {Path: "/n/v4-dead", ID: NetnsID{Ino: 4}, IPs: []netip.Addr{a4}}}, "", ErrNetnsAmbiguous},
 		{[]netip.Addr{a6, b4}, []Namespace{other, dual}, "", ErrNetnsNotFound},
 		{[]netip.Addr{a4}, nil, "", ErrNetnsNotFound},
 	} {
@@ -122,27 +285,59 @@ func TestMatchNamespace(t *testing.T) {
 // searchTarget lists namespaces from memory and counts the listings.
 type searchTarget struct {
 	Target
-	namespaces []Namespace
-	searches   int
+	namespaces  []Namespace
+	errs        map[string]error
+	aliases     map[string]NetnsID
+	identifyErr error
+	onSearch    func()
+	searches    int
 }
 
-func (s *searchTarget) Namespaces(string) ([]Namespace, []error) {
+func (s *searchTarget) Namespaces(string) ([]Namespace, map[string]error) {
 	s.searches++
-	return s.namespaces, nil
+	if s.onSearch != nil {
+		s.onSearch()
+	}
+	return s.namespaces, s.errs
 }
 
 func (s *searchTarget) Identify(path string) (NetnsID, error) {
+	if id, ok := s.aliases[path]; ok {
+		return id, nil
+	}
 	for _, ns := range s.namespaces {
 		if ns.Path == path {
 			return ns.ID, nil
 		}
 	}
+	if s.identifyErr != nil {
+		return NetnsID{}, s.identifyErr
+	}
 	return NetnsID{}, os.ErrNotExist
 }
 
-type keptReports struct{ rows []*tables.CNIPod }
+// tableReportsOf keeps rows in the table only.
+type tableReportsOf struct {
+	db      *statedb.DB
+	cniPods statedb.RWTable[*tables.CNIPod]
+}
 
-func (k *keptReports) Keep(row *tables.CNIPod) error {
-	k.rows = append(k.rows, row)
+func (r tableReportsOf) Keep(row *tables.CNIPod, check func(statedb.ReadTxn) error) error {
+	wtxn := r.db.WriteTxn(r.cniPods)
+	defer wtxn.Abort()
+	if check != nil {
+		if err := check(wtxn); err != nil {
+			return err
+		}
+	}
+	r.cniPods.Insert(wtxn, row)
+	wtxn.Commit()
+	return nil
+}
+
+func (r tableReportsOf) Drop(row *tables.CNIPod) error {
+	wtxn := r.db.WriteTxn(r.cniPods)
+	r.cniPods.Delete(wtxn, row)
+	wtxn.Commit()
 	return nil
 }

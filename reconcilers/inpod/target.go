@@ -50,9 +50,9 @@ type Target interface {
 	CloseAll(path string, id NetnsID) (int, error)
 	// Namespaces lists the network namespaces pinned in dir, but the
 	// node's, with the addresses each holds. Entries that are no network
-	// namespace are passed over; one that cannot be read is an error of
-	// its own, and the others are listed all the same.
-	Namespaces(dir string) ([]Namespace, []error)
+	// namespace are passed over; those that cannot be read are errors, by
+	// path (dir's own when it cannot be listed).
+	Namespaces(dir string) ([]Namespace, map[string]error)
 }
 
 // Namespace is a network namespace pinned in a folder: where, which, and
@@ -166,13 +166,13 @@ func (netlinkTarget) CloseAll(path string, id NetnsID) (closed int, err error) {
 	return closed, err
 }
 
-func (netlinkTarget) Namespaces(dir string) ([]Namespace, []error) {
+func (netlinkTarget) Namespaces(dir string) ([]Namespace, map[string]error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
-		return nil, []error{err}
+		return nil, map[string]error{dir: err}
 	}
 	var found []Namespace
-	var errs []error
+	errs := map[string]error{}
 	for _, e := range entries {
 		if e.IsDir() {
 			continue
@@ -192,7 +192,7 @@ func (netlinkTarget) Namespaces(dir string) ([]Namespace, []error) {
 		case errors.Is(err, os.ErrNotExist), errors.Is(err, zds.ErrNotNetns), errors.Is(err, ErrNodeNetns):
 			// Gone meanwhile, a file of another kind, the node's own.
 		default:
-			errs = append(errs, fmt.Errorf("netns %s: %w", path, err))
+			errs[path] = err
 		}
 	}
 	return found, errs
