@@ -97,7 +97,8 @@ type search struct {
 // UID and addresses.
 type searchState struct {
 	uid, ips string
-	// deleted: its report went while the agent watched.
+	// deleted: the plugin's report of its sandbox went while the agent
+	// watched.
 	deleted bool
 	// candidate is the namespace the last search found, since then.
 	candidate *Namespace
@@ -162,8 +163,8 @@ func (s *search) run(ctx context.Context, health cell.Health) error {
 }
 
 // unreported are the pods the in-pod derivation redirects whose
-// namespace no CNI report names, and that have addresses to search by;
-// reported, those a report names.
+// namespace no report names, and that have addresses to search by;
+// reported, those the plugin reported (not those found).
 func (s *search) unreported(txn statedb.ReadTxn) (pods []*tables.Pod, reported map[string]bool, watches []<-chan struct{}) {
 	enrollments, enrollWatch := s.Enrollments.ListWatch(txn, enrollment.OfThisNode())
 	_, podsWatch := s.Pods.ListWatch(txn, tables.PodsOfThisNode())
@@ -174,11 +175,13 @@ func (s *search) unreported(txn statedb.ReadTxn) (pods []*tables.Pod, reported m
 			continue
 		}
 		pod, _, ok := s.Pods.Get(txn, tables.PodByKey(e.Key()))
-		switch {
-		case !ok || pod.HostNetwork || pod.Finished():
-		case newestReport(txn, s.CNIPods, pod) != nil:
+		if !ok || pod.HostNetwork || pod.Finished() {
+			continue
+		}
+		if s.sandboxReported(txn, pod) {
 			reported[pod.Key()] = true
-		case len(pod.IPs) > 0:
+		}
+		if newestReport(txn, s.CNIPods, pod) == nil && len(pod.IPs) > 0 {
 			pods = append(pods, pod)
 		}
 	}

@@ -13,18 +13,20 @@ import (
 
 	"github.com/cilium/statedb"
 
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // searchWorld is the search over tables in memory and namespaces the
 // test lists.
 type searchWorld struct {
-	t       *testing.T
-	db      *statedb.DB
-	pods    statedb.RWTable[*tables.Pod]
-	cniPods statedb.RWTable[*tables.CNIPod]
-	target  *searchTarget
-	s       *search
+	t           *testing.T
+	db          *statedb.DB
+	pods        statedb.RWTable[*tables.Pod]
+	cniPods     statedb.RWTable[*tables.CNIPod]
+	enrollments statedb.RWTable[*enrollment.Enrollment]
+	target      *searchTarget
+	s           *search
 }
 
 func newSearchWorld(t *testing.T) *searchWorld {
@@ -33,22 +35,27 @@ func newSearchWorld(t *testing.T) *searchWorld {
 	must(t, err)
 	cniPods, err := tables.NewCNIPodsTable(db)
 	must(t, err)
-	w := &searchWorld{t: t, db: db, pods: pods, cniPods: cniPods, target: &searchTarget{errs: map[string]error{}}}
+	enrollments, err := enrollment.NewTable(db, tables.LocalNode{NodeName: "node-a"})
+	must(t, err)
+	w := &searchWorld{t: t, db: db, pods: pods, cniPods: cniPods, enrollments: enrollments, target: &searchTarget{errs: map[string]error{}}}
 	w.s = &search{
 		searchParams: searchParams{Config: Config{NetnsDir: "/run/netns"}, Log: slog.New(slog.DiscardHandler), DB: db,
-			Target: w.target, Pods: pods, CNIPods: cniPods, Reports: tableReportsOf{db, cniPods}},
+			Target: w.target, Pods: pods, CNIPods: cniPods, Enrollments: enrollments, Reports: tableReportsOf{db, cniPods}},
 		reported: map[string]bool{}, pending: map[string]*searchState{},
 	}
 	return w
 }
 
-func (w *searchWorld) addPod(name string, ips ...string) *tables.Pod {
+// addPod puts a pod of this node in the API, enrolled or not (or its
+// new addresses).
+func (w *searchWorld) addPod(name string, enrolled bool, ips ...string) *tables.Pod {
 	pod := &tables.Pod{Namespace: "app", Name: name, UID: name + "-1", NodeName: "node-a"}
 	for _, ip := range ips {
 		pod.IPs = append(pod.IPs, netip.MustParseAddr(ip))
 	}
-	wtxn := w.db.WriteTxn(w.pods)
+	wtxn := w.db.WriteTxn(w.pods, w.enrollments)
 	w.pods.Insert(wtxn, pod)
+	w.enrollments.Insert(wtxn, &enrollment.Enrollment{Namespace: "app", Pod: name, UID: pod.UID, Node: "node-a", Enrolled: enrolled})
 	wtxn.Commit()
 	return pod
 }
@@ -67,14 +74,18 @@ func (w *searchWorld) report(row *tables.CNIPod) {
 	wtxn.Commit()
 }
 
-// step runs a step at now over the pods given (as unreported would list
-// them), the pods named in reported having a report.
-func (w *searchWorld) step(now time.Time, reported []string, pods ...*tables.Pod) time.Time {
-	set := map[string]bool{}
-	for _, p := range reported {
-		set[p] = true
-	}
-	return w.s.step(w.db.ReadTxn(), pods, set, now)
+func (w *searchWorld) unreport(containerID string) {
+	wtxn := w.db.WriteTxn(w.cniPods)
+	row, _, _ := w.cniPods.Get(wtxn, tables.CNIPodByContainer(containerID))
+	w.cniPods.Delete(wtxn, row)
+	wtxn.Commit()
+}
+
+// step runs a step of the job at now.
+func (w *searchWorld) step(now time.Time) time.Time {
+	txn := w.db.ReadTxn()
+	pods, reported, _ := w.s.unreported(txn)
+	return w.s.step(txn, pods, reported, now)
 }
 
 // kept is the namespace kept for pod, if any.
@@ -97,21 +108,21 @@ func (w *searchWorld) reason(pod *tables.Pod) string {
 // TestSearchConfirms: a namespace found is kept only when found again
 // searchConfirm later; one not found is searched again after
 // searchRetry, or at once when the pod's addresses change; a pod whose
-// report went (a CNI DEL) is not searched while it shows the same
-// addresses.
+// plugin report went (a CNI DEL) is not searched while it shows the same
+// addresses, but one whose found namespace was dropped is.
 func TestSearchConfirms(t *testing.T) {
 	w := newSearchWorld(t)
-	old := w.addPod("old", "10.0.1.50", "fd00::50")
+	old := w.addPod("old", true, "10.0.1.50", "fd00::50")
 	w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50", "fd00::50")
 	t0 := time.Now()
-	if next := w.step(t0, nil, old); w.target.searches != 1 || w.kept(old) != "" || !next.Equal(t0.Add(searchConfirm)) {
+	if next := w.step(t0); w.target.searches != 1 || w.kept(old) != "" || !next.Equal(t0.Add(searchConfirm)) {
 		t.Fatalf("first search: %d searches, kept %q, next +%v; want 1, none, +%v", w.target.searches, w.kept(old), next.Sub(t0), searchConfirm)
 	}
-	w.step(t0.Add(searchConfirm/2), nil, old)
+	w.step(t0.Add(searchConfirm / 2))
 	if w.target.searches != 1 {
 		t.Errorf("searched again before searchConfirm")
 	}
-	w.step(t0.Add(searchConfirm), nil, old)
+	w.step(t0.Add(searchConfirm))
 	if got := w.kept(old); got != "/run/netns/cni-old" {
 		t.Fatalf("confirmed: kept %q, want /run/netns/cni-old", got)
 	}
@@ -119,35 +130,48 @@ func TestSearchConfirms(t *testing.T) {
 	if row.UID != "old-1" || len(row.IPs) != 0 || !row.Enrolled {
 		t.Errorf("kept %+v, want old's UID and no addresses (the API's count)", row)
 	}
+	// Its namespace goes: dropped at the next check, then searched for.
+	w.target.namespaces = nil
+	t1 := t0.Add(searchConfirm + searchRetry)
+	w.step(t1)
+	if w.kept(old) != "" {
+		t.Fatalf("kept %q, its namespace gone", w.kept(old))
+	}
+	w.step(t1)
+	if st := w.s.pending["app/old"]; st == nil || st.searched.IsZero() {
+		t.Errorf("not searched for once its namespace found was dropped: %+v", st)
+	}
 
 	// Not found: searched again after searchRetry, or when it moves.
-	lost := w.addPod("lost", "10.0.1.60")
-	t1 := t0.Add(time.Minute)
-	before := w.target.searches
-	if next := w.step(t1, nil, lost); !strings.Contains(w.reason(lost), ErrNetnsNotFound.Error()) || !next.Equal(t1.Add(searchRetry)) {
-		t.Fatalf("not found: reason %q, next +%v", w.reason(lost), next.Sub(t1))
+	lost := w.addPod("lost", true, "10.0.1.60")
+	t2 := t1.Add(time.Minute)
+	if next := w.step(t2); !strings.Contains(w.reason(lost), ErrNetnsNotFound.Error()) || !next.Equal(t2.Add(searchRetry)) {
+		t.Fatalf("not found: reason %q, next +%v", w.reason(lost), next.Sub(t2))
 	}
-	w.step(t1.Add(searchRetry/2), nil, lost)
-	if w.target.searches != before+1 {
+	lostSearched := func() time.Time { return w.s.pending["app/lost"].searched }
+	w.step(t2.Add(searchRetry / 2))
+	if !lostSearched().Equal(t2) {
 		t.Errorf("searched again before searchRetry")
 	}
-	moved := w.addPod("lost", "10.0.1.61")
-	w.step(t1.Add(searchRetry/2), nil, moved)
-	if w.target.searches != before+2 {
+	w.addPod("lost", true, "10.0.1.61")
+	w.step(t2.Add(searchRetry / 2))
+	if !lostSearched().Equal(t2.Add(searchRetry / 2)) {
 		t.Errorf("not searched at once when the pod's addresses changed")
 	}
 
-	// gone loses its report while its dying namespace holds its
-	// addresses: never searched.
-	gone := w.addPod("gone", "10.0.1.70")
+	// gone's sandbox report goes (a DEL) while its dying namespace holds
+	// its addresses: never searched.
+	gone := w.addPod("gone", true, "10.0.1.70")
 	w.addNamespace("/run/netns/cni-dying", 7, "10.0.1.70")
-	t2 := t1.Add(time.Minute)
-	w.step(t2, []string{"app/gone"})
+	w.report(&tables.CNIPod{ContainerID: "c-gone", Pod: "app/gone", UID: "gone-1", Netns: "/run/netns/cni-dying"})
+	t3 := t2.Add(time.Minute)
+	w.step(t3)
+	w.unreport("c-gone")
 	for _, at := range []time.Duration{0, searchConfirm, searchRetry, time.Hour} {
-		w.step(t2.Add(at), nil, gone)
+		w.step(t3.Add(at))
 	}
-	if st := w.s.pending["app/gone"]; !st.searched.IsZero() || w.kept(gone) != "" {
-		t.Errorf("a pod whose report went: searched at %v, kept %q; want never, none", st.searched, w.kept(gone))
+	if st := w.s.pending["app/gone"]; st == nil || !st.searched.IsZero() || w.kept(gone) != "" {
+		t.Errorf("a pod whose report went: %+v, kept %q; want pending, never searched, none kept", st, w.kept(gone))
 	}
 }
 
@@ -165,7 +189,7 @@ func TestSearchRefuses(t *testing.T) {
 		{"more addresses", func(w *searchWorld) {
 			w.target.namespaces[0].IPs = append(w.target.namespaces[0].IPs, netip.MustParseAddr("10.0.1.99"))
 		}, ErrNetnsNotFound},
-		{"address shown for another pod", func(w *searchWorld) { w.addPod("stale", "10.0.1.50") }, ErrAddressShared},
+		{"address shown for another pod", func(w *searchWorld) { w.addPod("stale", false, "10.0.1.50") }, ErrAddressShared},
 		{"reported for another pod", func(w *searchWorld) {
 			w.report(&tables.CNIPod{ContainerID: "c-new", Pod: "app/new", UID: "new-1", Netns: "/var/run/netns/alias-of-cni-old"})
 			w.target.aliases = map[string]NetnsID{"/var/run/netns/alias-of-cni-old": {Ino: 1}}
@@ -178,11 +202,11 @@ func TestSearchRefuses(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			w := newSearchWorld(t)
-			pod := w.addPod("old", "10.0.1.50")
+			pod := w.addPod("old", true, "10.0.1.50")
 			w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
 			tc.setup(w)
 			for _, at := range []time.Duration{0, searchConfirm} {
-				w.step(t0.Add(at), nil, pod)
+				w.step(t0.Add(at))
 			}
 			if got := w.kept(pod); got != "" || !strings.Contains(w.reason(pod), tc.want.Error()) {
 				t.Errorf("kept %q, reason %q; want none, %v", got, w.reason(pod), tc.want)
@@ -198,14 +222,14 @@ func TestSearchRefuses(t *testing.T) {
 // search and the keep stops the keep.
 func TestSearchRechecksAtKeep(t *testing.T) {
 	w := newSearchWorld(t)
-	pod := w.addPod("old", "10.0.1.50")
+	pod := w.addPod("old", true, "10.0.1.50")
 	w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
 	t0 := time.Now()
-	w.step(t0, nil, pod)
+	w.step(t0)
 	w.target.onSearch = func() {
 		w.report(&tables.CNIPod{ContainerID: "c-new", Pod: "app/new", UID: "new-1", Netns: "/run/netns/cni-old"})
 	}
-	w.step(t0.Add(searchConfirm), nil, pod)
+	w.step(t0.Add(searchConfirm))
 	if got := w.kept(pod); got != "" || !strings.Contains(w.reason(pod), "named by a report of app/new") {
 		t.Errorf("kept %q, reason %q; want none, named by app/new's report", got, w.reason(pod))
 	}
@@ -234,19 +258,19 @@ func TestSearchDropsWhatItKept(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			w := newSearchWorld(t)
-			pod := w.addPod("old", "10.0.1.50")
+			pod := w.addPod("old", true, "10.0.1.50")
 			w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
-			w.step(t0, nil, pod)
-			w.step(t0.Add(searchConfirm), nil, pod)
+			w.step(t0)
+			w.step(t0.Add(searchConfirm))
 			if w.kept(pod) == "" {
 				t.Fatal("not kept")
 			}
 			tc.change(w)
-			next := w.step(t0.Add(searchConfirm+searchRetry/2), nil)
+			next := w.step(t0.Add(searchConfirm + searchRetry/2))
 			if w.kept(pod) == "" {
 				t.Fatal("dropped before the check is due")
 			}
-			w.step(next, nil)
+			w.step(next)
 			if dropped := w.kept(pod) == ""; dropped != tc.drop {
 				t.Errorf("dropped %v, want %v", dropped, tc.drop)
 			}
