@@ -10,6 +10,7 @@ package cni
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"time"
@@ -36,8 +37,8 @@ var Cell = cell.Module(
 	cell.ProvidePrivate(func(dir statedir.Dir) *store { return newStore(string(dir)) }),
 	// cni-pods rows kept on disk, for the in-pod mode's search of
 	// sandboxes no plugin reported.
-	cell.Provide(func(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], s *store) tables.CNIReports {
-		return reports{db: db, cniPods: cniPods, store: s}
+	cell.Provide(func(log *slog.Logger, db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], s *store) tables.CNIReports {
+		return reports{log: log, db: db, cniPods: cniPods, store: s}
 	}),
 	// POST /v1/cni/pods/NS/NAME and DELETE /v1/cni/containers/ID on api.sock
 	// write cni-pods.

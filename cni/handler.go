@@ -229,13 +229,12 @@ func (h *handler) record(key string, req plugin.Request, ans plugin.Answer, aske
 		return
 	}
 	row.Updated = time.Now()
-	if err := h.reports().Keep(row, nil); err != nil {
-		h.Log.Error("Cannot keep the CNI report in the state folder; a restarted agent will not know the pod's addresses until the API has them",
-			"pod", key, "container", req.ContainerID, "error", err)
-	}
+	h.reports().Keep(row, nil)
 }
 
-func (h *handler) reports() reports { return reports{db: h.DB, cniPods: h.CNIPods, store: h.Store} }
+func (h *handler) reports() reports {
+	return reports{log: h.Log, db: h.DB, cniPods: h.CNIPods, store: h.Store}
+}
 
 // podAddrs checks the addresses of a report and puts them in canonical
 // form, without duplicates.

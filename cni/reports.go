@@ -3,6 +3,8 @@
 package cni
 
 import (
+	"log/slog"
+
 	"github.com/cilium/statedb"
 
 	"github.com/mtlsbridge/mtlsbridge/tables"
@@ -11,6 +13,7 @@ import (
 // reports keeps cni-pods rows: the plugin's reports, and the sandboxes the
 // in-pod mode found that no plugin reported (tables.CNIReports).
 type reports struct {
+	log     *slog.Logger
 	db      *statedb.DB
 	cniPods statedb.RWTable[*tables.CNIPod]
 	store   *store
@@ -19,8 +22,8 @@ type reports struct {
 var _ tables.CNIReports = reports{}
 
 // Keep checks and writes in one transaction: on disk first, so that a
-// row the table shows is one a restarted agent still knows. The table
-// has it even when the disk refuses it (the error says so): the running
+// row the table shows is one a restarted agent still knows. A row the
+// disk refuses is logged and kept in the table all the same: the running
 // agent needs it now.
 func (r reports) Keep(row *tables.CNIPod, check func(statedb.ReadTxn) error) error {
 	wtxn := r.db.WriteTxn(r.cniPods)
@@ -34,9 +37,13 @@ func (r reports) Keep(row *tables.CNIPod, check func(statedb.ReadTxn) error) err
 	if err == nil {
 		err = r.store.save(row)
 	}
+	if err != nil {
+		r.log.Error("Cannot keep a CNI report in the state folder; a restarted agent will not know the pod's sandbox until the API or the plugin tells it again",
+			"pod", row.Pod, "container", row.ContainerID, "error", err)
+	}
 	r.cniPods.Insert(wtxn, row)
 	wtxn.Commit()
-	return err
+	return nil
 }
 
 // Drop removes the row from the table and the disk.

@@ -4,6 +4,7 @@ package cni
 
 import (
 	"errors"
+	"log/slog"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -129,8 +130,9 @@ func must(t *testing.T, err error) {
 }
 
 // TestReportsKeep: a row kept (a namespace the in-pod mode found) is on
-// disk for the next agent and in the table; a container id that cannot
-// be a file name is refused on disk with an error, and still in the table.
+// disk for the next agent and in the table, unless the check refuses it;
+// a container id that cannot be a file name is not written on disk (a
+// logged error), and still in the table; a row dropped leaves both.
 func TestReportsKeep(t *testing.T) {
 	db := statedb.New()
 	cniPods, err := tables.NewCNIPodsTable(db)
@@ -138,18 +140,25 @@ func TestReportsKeep(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := newStore(t.TempDir())
-	r := reports{db: db, cniPods: cniPods, store: s}
+	r := reports{log: slog.New(slog.DiscardHandler), db: db, cniPods: cniPods, store: s}
 	found := &tables.CNIPod{ContainerID: "found-0123456789abcdef", Pod: "app/old", UID: "u1", Netns: "/var/run/netns/cni-1",
 		State: tables.CNIStateFound, Enrolled: true}
-	if err := r.Keep(found, nil); err != nil {
+	refused := errors.New("reported meanwhile")
+	if err := r.Keep(found, func(statedb.ReadTxn) error { return refused }); err != refused {
+		t.Fatalf("refused by its check: %v", err)
+	}
+	if rows, _ := s.load(); len(rows) != 0 || cniPods.NumObjects(db.ReadTxn()) != 0 {
+		t.Fatalf("a row its check refused was written: %v", rows)
+	}
+	if err := r.Keep(found, func(statedb.ReadTxn) error { return nil }); err != nil {
 		t.Fatal(err)
 	}
 	if rows, errs := s.load(); len(errs) != 0 || len(rows) != 1 || rows[0].Netns != found.Netns || rows[0].State != tables.CNIStateFound {
 		t.Errorf("on disk: %v %v, want the row found", rows, errs)
 	}
 	bad := &tables.CNIPod{ContainerID: "../escape", Pod: "app/x"}
-	if err := r.Keep(bad, nil); err == nil {
-		t.Errorf("a container id that is no file name was kept on disk")
+	if err := r.Keep(bad, nil); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := os.Stat(filepath.Join(s.dir, "..", "escape.json")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("a file outside the store: %v", err)
@@ -159,5 +168,13 @@ func TestReportsKeep(t *testing.T) {
 		if _, _, ok := cniPods.Get(txn, tables.CNIPodByContainer(id)); !ok {
 			t.Errorf("%s not in the table", id)
 		}
+	}
+	for _, row := range []*tables.CNIPod{found, bad} {
+		if err := r.Drop(row); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if rows, _ := s.load(); len(rows) != 0 || cniPods.NumObjects(db.ReadTxn()) != 0 {
+		t.Errorf("after Drop: on disk %v, %d rows", rows, cniPods.NumObjects(db.ReadTxn()))
 	}
 }

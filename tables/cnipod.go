@@ -30,7 +30,7 @@ const (
 // table. Package cni provides it.
 type CNIReports interface {
 	// Keep writes row, unless check, given the write transaction, says
-	// why not (nil: always).
+	// why not (nil: always): then it returns check's error.
 	Keep(row *CNIPod, check func(statedb.ReadTxn) error) error
 	// Drop removes row.
 	Drop(row *CNIPod) error

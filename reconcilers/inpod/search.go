@@ -254,11 +254,11 @@ func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Na
 			}
 			st.reason = err.Error()
 		case st.candidate == nil || st.candidate.ID != ns.ID:
-			st.candidate, st.since = &ns, now
+			st.candidate, st.since, st.reason = &ns, now, ""
 		case now.Sub(st.since) >= searchConfirm:
 			if err := s.keep(pod, ns, now); err != nil {
 				st.candidate, st.reason = nil, err.Error()
-				s.Log.Warn("Found the network namespace of a pod no CNI report names, but cannot keep it", "pod", pod.Key(), "netns", ns.Path, "error", err)
+				s.Log.Warn("Found the network namespace of a pod no CNI report names, but not kept", "pod", pod.Key(), "netns", ns.Path, "error", err)
 				continue
 			}
 			s.Log.Info("Found the network namespace of a pod no CNI report names", "pod", pod.Key(), "netns", ns.Path)
