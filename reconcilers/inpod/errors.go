@@ -12,9 +12,9 @@ var (
 	// pod's addresses (a stale or wrong report).
 	ErrWrongNetns = errors.New("network namespace of another pod")
 	// ErrNoNetns: no CNI report names the pod's network namespace: it
-	// started before mtlsbridge-cni was in the chain (restart it), or the
-	// report was lost.
-	ErrNoNetns = errors.New("network namespace unknown: no CNI report of the pod's sandbox")
+	// started before mtlsbridge-cni was in the chain, or the report was
+	// lost, and the search of --netns-dir has not found it (yet).
+	ErrNoNetns = errors.New("network namespace unknown: no CNI report of the pod's sandbox, none found yet (see job search-unreported-netns)")
 	// ErrNoUID: neither the API nor a CNI report gives the pod's UID,
 	// which ZDS names it by.
 	ErrNoUID = errors.New("pod UID unknown")
