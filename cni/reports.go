@@ -4,6 +4,7 @@ package cni
 
 import (
 	"log/slog"
+	"time"
 
 	"github.com/cilium/statedb"
 
@@ -17,6 +18,8 @@ type reports struct {
 	db      *statedb.DB
 	cniPods statedb.RWTable[*tables.CNIPod]
 	store   *store
+	// since is when an agent of this boot first started.
+	since time.Time
 }
 
 var _ tables.CNIReports = reports{}
@@ -45,6 +48,10 @@ func (r reports) Keep(row *tables.CNIPod, check func(statedb.ReadTxn) error) err
 	wtxn.Commit()
 	return nil
 }
+
+// ChainedSince is when an agent of this boot first started: the plugin,
+// which it chains, reports every sandbox made since.
+func (r reports) ChainedSince() time.Time { return r.since }
 
 // Drop removes the row from the table and the disk.
 func (r reports) Drop(row *tables.CNIPod) error {

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"time"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/atomicfile"
 	"github.com/mtlsbridge/mtlsbridge/tables"
@@ -93,4 +94,24 @@ func (s *store) load() ([]*tables.CNIPod, []error) {
 		}
 	}
 	return rows, errs
+}
+
+// firstStartFile holds when an agent first started since the node booted
+// (the state folder is cleared at boot).
+const firstStartFile = "first-start"
+
+// firstStart returns when an agent of this boot first started, recording
+// now if none did (or what was recorded does not read).
+func (s *store) firstStart(now time.Time) (time.Time, error) {
+	path := filepath.Join(s.dir, firstStartFile)
+	b, err := os.ReadFile(path)
+	if err == nil {
+		if at, err := time.Parse(time.RFC3339Nano, strings.TrimSpace(string(b))); err == nil {
+			return at, nil
+		}
+	}
+	if err := os.MkdirAll(s.dir, 0o700); err != nil {
+		return now, err
+	}
+	return now, atomicfile.Write(path, []byte(now.UTC().Format(time.RFC3339Nano)), 0o600)
 }

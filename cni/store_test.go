@@ -178,3 +178,24 @@ func TestReportsKeep(t *testing.T) {
 		t.Errorf("after Drop: on disk %v, %d rows", rows, cniPods.NumObjects(db.ReadTxn()))
 	}
 }
+
+// TestFirstStart: the first start of this boot is recorded once and read
+// back by later agents; a record that does not read is replaced.
+func TestFirstStart(t *testing.T) {
+	s := newStore(t.TempDir())
+	first := time.Date(2026, 12, 6, 1, 0, 0, 0, time.UTC)
+	if got, err := s.firstStart(first); err != nil || !got.Equal(first) {
+		t.Fatalf("first agent: %v %v", got, err)
+	}
+	if got, err := s.firstStart(first.Add(time.Hour)); err != nil || !got.Equal(first) {
+		t.Errorf("a restarted agent: %v %v, want the first start", got, err)
+	}
+	if rows, errs := s.load(); len(rows) != 0 || len(errs) != 0 {
+		t.Errorf("the record is read as a report: %v %v", rows, errs)
+	}
+	must(t, os.WriteFile(filepath.Join(s.dir, firstStartFile), []byte("garbled"), 0o600))
+	later := first.Add(2 * time.Hour)
+	if got, err := s.firstStart(later); err != nil || !got.Equal(later) {
+		t.Errorf("after a garbled record: %v %v, want now", got, err)
+	}
+}

@@ -221,29 +221,34 @@ func runInPodChecks(t *testing.T, b *bed) {
 		stayedClosed(", then node-a's agent restarted")
 	})
 
-	t.Run("9 a pod no CNI report names is found when enrolled", func(t *testing.T) {
-		// a3 runs unenrolled, as a pod started before mtlsbridge-cni was
-		// chained: the agent has no report of its sandbox.
+	t.Run("9 pods no CNI report names are found", func(t *testing.T) {
+		// As on a node where mtlsbridge is installed: its pods started
+		// before the plugin was chained, the agent has no report of them
+		// (nor a first start of this boot). a1 is enrolled, a3 runs
+		// unenrolled.
 		na.killAgent()
-		must(t, os.Remove(filepath.Join(na.stateDir, "cni-pods", p.a3.sb.ContainerID+".json")))
+		must(t, os.RemoveAll(filepath.Join(na.stateDir, "cni-pods")))
 		na.startAgent()
 		na.waitAgent()
+		b.eventually("a1 found and redirected", func() error { return na.noBypass("a1") })
 		b.setEnrolled(p.a3, true)
 		b.knows(na, p.a3, p.b1, true)
 		b.eventually("a3 found and redirected", func() error { return na.noBypass("a3") })
 		if err := inPodInPlace(p.a3); err != nil {
 			t.Error(err)
 		}
-		for _, v6 := range []bool{false, true} {
-			f := b.run(p.a3, p.b1, v6)
-			t.Log(f)
-			expectMTLS(t, f)
+		for _, from := range []*bedPod{p.a1, p.a3} {
+			for _, v6 := range []bool{false, true} {
+				f := b.run(from, p.b1, v6)
+				t.Log(f)
+				expectMTLS(t, f)
+			}
 		}
-		// What was found is kept as a report, for a restarted agent.
+		// What was found is kept as reports, for a restarted agent.
 		kept, err := filepath.Glob(filepath.Join(na.stateDir, "cni-pods", "found-*.json"))
 		must(t, err)
-		if len(kept) != 1 {
-			t.Errorf("kept reports of namespaces found: %q, want a3's", kept)
+		if len(kept) != 2 {
+			t.Errorf("kept reports of namespaces found: %q, want a1's and a3's", kept)
 		}
 	})
 }

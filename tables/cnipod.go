@@ -34,6 +34,10 @@ type CNIReports interface {
 	Keep(row *CNIPod, check func(statedb.ReadTxn) error) error
 	// Drop removes row.
 	Drop(row *CNIPod) error
+	// ChainedSince is when the agent first started since the node
+	// booted: every sandbox made since went through the plugin (a
+	// report), or started without it being reachable.
+	ChainedSince() time.Time
 }
 
 // CNIPod is one container (sandbox) the CNI plugin asked about at ADD, with

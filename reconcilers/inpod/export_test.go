@@ -3,6 +3,8 @@
 package inpod
 
 import (
+	"time"
+
 	"github.com/cilium/statedb"
 
 	"github.com/mtlsbridge/mtlsbridge/tables"
@@ -16,7 +18,8 @@ func NetlinkTargetForTests() Target { return newNetlinkTarget() }
 const PruneInterval = pruneInterval
 
 // TableReportsForTests keeps cni-pods rows in the table only (package
-// cni, which keeps them on disk too, has tests of its own).
+// cni, which keeps them on disk too, has tests of its own); the agent
+// first started now.
 func TableReportsForTests(db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod]) tables.CNIReports {
-	return tableReportsOf{db, cniPods}
+	return tableReportsOf{db, cniPods, time.Now()}
 }

@@ -36,15 +36,19 @@ import (
 //
 // A wrong answer would hand one pod's identity to another pod's
 // namespace, so a namespace is chosen only when nothing speaks against
-// it: it is the one namespace of the folder, every entry read, whose
-// addresses are exactly those the API shows for the pod (loopback and
-// link-local aside); no report names it (a namespace is compared by
-// identity, under whatever path); no other pod the API shows has any of
-// those addresses (a deleted pod's may be reused); and a second search,
-// searchConfirm later, finds the same (a sandbox in the middle of its ADD
-// holds its addresses before the plugin reports it). A pod whose report
-// went while the agent watched (a CNI DEL) is not searched for: its next
-// sandbox is reported. The one found is kept as a report
+// it: it was pinned before the agent first started since the node booted
+// (tables.CNIReports.ChainedSince: a sandbox made since went through the
+// plugin, and after a reboot the API shows addresses of sandboxes gone,
+// which new ones may hold); it is not Cilium's health endpoint's; it is
+// the one namespace of the folder, every entry read, whose addresses are
+// exactly those the API shows for the pod (loopback and link-local
+// aside); no report names it (a namespace is compared by identity, under
+// whatever path); no other pod the API shows has any of those addresses
+// (a deleted pod's may be reused); and a second search, searchConfirm
+// later, finds the same (a sandbox in the middle of its ADD holds its
+// addresses before the plugin reports it). A pod whose report went while
+// the agent watched (a CNI DEL) is searched for only reportGoneWait later:
+// its next sandbox is reported meanwhile. The one found is kept as a report
 // (tables.CNIStateFound, no addresses: the API's count), so that whatever
 // reads reports (the derivation, the prune, the l2 mode's cleanup, a
 // restarted agent) reads it too; it is dropped once its namespace is gone
@@ -69,6 +73,9 @@ const (
 	// searchConfirm is how long after a namespace is found it must be
 	// found again to be kept.
 	searchConfirm = 5 * time.Second
+	// reportGoneWait is how long a pod whose report went is not searched
+	// for.
+	reportGoneWait = 2 * time.Minute
 	// searchRetry is how soon a pod not found is searched for again when
 	// nothing about it changed, and how often the namespaces kept are
 	// checked.
@@ -81,7 +88,13 @@ var (
 	ErrNetnsAmbiguous  = errors.New("several network namespaces hold the pod's addresses")
 	ErrAddressShared   = errors.New("the API shows the pod's addresses for another pod too")
 	ErrNetnsUnreadable = errors.New("the namespaces are not all read, so none is chosen")
+	ErrNetnsTooNew     = errors.New("the namespace holding the pod's addresses was pinned after the agent first started (it should have a CNI report)")
 )
+
+// ciliumHealthNetns is the namespace Cilium pins for its health endpoint:
+// it holds an address of the pods' range, which a pod's stale status may
+// show.
+const ciliumHealthNetns = "cilium-health"
 
 type search struct {
 	searchParams
@@ -97,9 +110,9 @@ type search struct {
 // UID and addresses.
 type searchState struct {
 	uid, ips string
-	// deleted: the plugin's report of its sandbox went while the agent
-	// watched.
-	deleted bool
+	// reportGone: when the plugin's report of its sandbox went, while
+	// the agent watched.
+	reportGone time.Time
 	// candidate is the namespace the last search found, since then.
 	candidate *Namespace
 	since     time.Time
@@ -108,18 +121,17 @@ type searchState struct {
 	reason string
 }
 
-// due is when the pod is to be searched for; false: not while it shows
-// these addresses.
-func (st *searchState) due() (time.Time, bool) {
+// due is when the pod is to be searched for.
+func (st *searchState) due() time.Time {
 	switch {
-	case st.deleted:
-		return time.Time{}, false
 	case st.candidate != nil:
-		return st.since.Add(searchConfirm), true
+		return st.since.Add(searchConfirm)
+	case st.searched.IsZero() && !st.reportGone.IsZero():
+		return st.reportGone.Add(reportGoneWait)
 	case st.searched.IsZero():
-		return time.Time{}, true
+		return time.Time{}
 	}
-	return st.searched.Add(searchRetry), true
+	return st.searched.Add(searchRetry)
 }
 
 func registerSearch(p searchParams) {
@@ -197,11 +209,23 @@ func (s *search) step(txn statedb.ReadTxn, pods []*tables.Pod, reported map[stri
 	for _, pod := range pods {
 		st, ok := s.pending[pod.Key()]
 		if !ok || st.uid != pod.UID || st.ips != fmt.Sprint(pod.IPs) {
-			st = &searchState{uid: pod.UID, ips: fmt.Sprint(pod.IPs), deleted: s.reported[pod.Key()]}
+			st = &searchState{uid: pod.UID, ips: fmt.Sprint(pod.IPs)}
+			if s.reported[pod.Key()] {
+				st.reportGone = now
+			}
 		}
 		pending[pod.Key()] = st
-		if at, ok := st.due(); ok && !now.Before(at) {
+		if !now.Before(st.due()) {
 			due = append(due, pod)
+		}
+	}
+	if len(due) > 0 {
+		// The folder is listed: every pod not found is searched again
+		// (one listing, not one per pod).
+		for _, pod := range pods {
+			if st := pending[pod.Key()]; st.reason != "" && now.Before(st.due()) {
+				due = append(due, pod)
+			}
 		}
 	}
 	s.pending, s.reported = pending, reported
@@ -210,7 +234,7 @@ func (s *search) step(txn statedb.ReadTxn, pods []*tables.Pod, reported map[stri
 	found := s.found(txn)
 	if len(due) > 0 || (len(found) > 0 && now.Sub(s.checked) >= searchRetry) {
 		namespaces, errs := s.Target.Namespaces(s.Config.NetnsDir)
-		s.check(txn, found, namespaces, errs)
+		s.check(txn, found, namespaces)
 		s.checked = now
 		if len(due) > 0 {
 			s.search(txn, due, namespaces, errs, now)
@@ -221,7 +245,7 @@ func (s *search) step(txn statedb.ReadTxn, pods []*tables.Pod, reported map[stri
 		next = s.checked.Add(searchRetry)
 	}
 	for _, st := range s.pending {
-		if at, ok := st.due(); ok && (next.IsZero() || at.Before(next)) {
+		if at := st.due(); next.IsZero() || at.Before(next) {
 			next = at
 		}
 	}
@@ -233,7 +257,17 @@ func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Na
 	if incomplete == nil && len(errs) > 0 {
 		incomplete = unreadable(errs)
 	}
-	candidates := slices.DeleteFunc(slices.Clone(namespaces), func(ns Namespace) bool { return reported[ns.ID] != "" })
+	since := s.Reports.ChainedSince()
+	var candidates, tooNew []Namespace
+	for _, ns := range namespaces {
+		switch {
+		case reported[ns.ID] != "" || filepath.Base(ns.Path) == ciliumHealthNetns:
+		case !ns.Pinned.Before(since):
+			tooNew = append(tooNew, ns)
+		default:
+			candidates = append(candidates, ns)
+		}
+	}
 	for _, pod := range pods {
 		st := s.pending[pod.Key()]
 		st.searched = now
@@ -242,8 +276,11 @@ func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Na
 		if err == nil {
 			ns, err = matchNamespace(pod.IPs, candidates)
 		}
+		if _, newer := matchNamespace(pod.IPs, tooNew); errors.Is(err, ErrNetnsNotFound) && newer == nil {
+			err = fmt.Errorf("%w: pinned after %s", ErrNetnsTooNew, since.Format(time.RFC3339))
+		}
 		if err == nil {
-			err = s.addressesShared(txn, pod)
+			err = s.eligible(txn, pod)
 		}
 		switch {
 		case err != nil:
@@ -253,7 +290,7 @@ func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Na
 					"pod", pod.Key(), "folder", s.Config.NetnsDir, "error", err)
 			}
 			st.reason = err.Error()
-		case st.candidate == nil || st.candidate.ID != ns.ID:
+		case st.candidate == nil || st.candidate.ID != ns.ID || st.candidate.Path != ns.Path:
 			st.candidate, st.since, st.reason = &ns, now, ""
 		case now.Sub(st.since) >= searchConfirm:
 			if err := s.keep(pod, ns, now); err != nil {
@@ -300,9 +337,21 @@ func unreadable(errs map[string]error) error {
 	return fmt.Errorf("%w (%d not read): %w", ErrNetnsUnreadable, len(paths), errors.Join(joined...))
 }
 
-// addressesShared tells whether another pod the API shows (not finished,
-// not on the host's network) has any of the pod's addresses.
-func (s *search) addressesShared(txn statedb.ReadTxn, pod *tables.Pod) error {
+// eligible tells whether the pod, as txn shows it, may still be given a
+// namespace found for it: unchanged, enrolled, unreported, and no other
+// pod the API shows (not finished, not on the host's network) has any of
+// its addresses.
+func (s *search) eligible(txn statedb.ReadTxn, pod *tables.Pod) error {
+	cur, _, ok := s.Pods.Get(txn, tables.PodByKey(pod.Key()))
+	e, _, enrolled := s.Enrollments.Get(txn, enrollment.ByKey(pod.Key()))
+	switch {
+	case !ok || cur.UID != pod.UID || !slices.Equal(cur.IPs, pod.IPs) || cur.Finished() || cur.HostNetwork:
+		return errors.New("the pod changed meanwhile")
+	case !enrolled || !e.Enrolled || e.MTLSAgent:
+		return errors.New("the pod is no longer enrolled")
+	case newestReport(txn, s.CNIPods, cur) != nil:
+		return errors.New("its sandbox was reported meanwhile")
+	}
 	var others []string
 	for _, ip := range pod.IPs {
 		for other := range s.Pods.List(txn, tables.PodsByIP(ip)) {
@@ -318,7 +367,8 @@ func (s *search) addressesShared(txn statedb.ReadTxn, pod *tables.Pod) error {
 }
 
 // keep writes the report of the namespace found, unless, in the write
-// transaction, the pod changed or a report names it or its namespace now.
+// transaction, the pod is no longer eligible or a report names its
+// namespace now.
 func (s *search) keep(pod *tables.Pod, ns Namespace, now time.Time) error {
 	row := &tables.CNIPod{
 		ContainerID: foundContainerID(ns.Path), Pod: pod.Key(), UID: pod.UID, Netns: ns.Path,
@@ -326,12 +376,8 @@ func (s *search) keep(pod *tables.Pod, ns Namespace, now time.Time) error {
 		State: tables.CNIStateFound, Updated: now,
 	}
 	return s.Reports.Keep(row, func(txn statedb.ReadTxn) error {
-		cur, _, ok := s.Pods.Get(txn, tables.PodByKey(pod.Key()))
-		switch {
-		case !ok || cur.UID != pod.UID || !slices.Equal(cur.IPs, pod.IPs):
-			return errors.New("the pod changed meanwhile")
-		case newestReport(txn, s.CNIPods, cur) != nil:
-			return errors.New("its sandbox was reported meanwhile")
+		if err := s.eligible(txn, pod); err != nil {
+			return err
 		}
 		reported, err := s.reportedNamespaces(txn)
 		if owner := reported[ns.ID]; owner != "" {
@@ -355,7 +401,7 @@ func (s *search) found(txn statedb.ReadTxn) []*tables.CNIPod {
 // check drops a kept report whose namespace is gone or no longer holds
 // exactly the pod's addresses, or that a report of the pod's sandbox, or
 // of another pod naming that namespace, supersedes.
-func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces []Namespace, errs map[string]error) {
+func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces []Namespace) {
 	byPath := map[string]Namespace{}
 	for _, ns := range namespaces {
 		byPath[ns.Path] = ns
@@ -371,16 +417,21 @@ func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces [
 	}
 	for _, row := range found {
 		pod, _, ok := s.Pods.Get(txn, tables.PodByKey(row.Pod))
-		if !ok || filepath.Dir(row.Netns) != filepath.Clean(s.Config.NetnsDir) || errs[row.Netns] != nil {
-			continue // gone from the API (package cni drops it), found in another folder, or unread
+		if !ok {
+			continue // gone from the API: package cni drops it
 		}
 		ns, listed := byPath[row.Netns]
+		_, identifyErr := s.Target.Identify(row.Netns)
 		var why string
 		switch {
 		case s.sandboxReported(txn, pod):
 			why = "the pod's sandbox is reported"
-		case !listed:
+		case !listed && errors.Is(identifyErr, os.ErrNotExist):
 			why = "its namespace is gone"
+		case !listed:
+			// Not read now, or in another folder (an earlier --netns-dir):
+			// only what is seen drops it.
+			continue
 		case reported[ns.ID] != "":
 			why = "a report of " + reported[ns.ID] + " names its namespace"
 		case !sameAddrs(ns.IPs, pod.IPs):

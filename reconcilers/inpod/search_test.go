@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -40,7 +41,7 @@ func newSearchWorld(t *testing.T) *searchWorld {
 	w := &searchWorld{t: t, db: db, pods: pods, cniPods: cniPods, enrollments: enrollments, target: &searchTarget{errs: map[string]error{}}}
 	w.s = &search{
 		searchParams: searchParams{Config: Config{NetnsDir: "/run/netns"}, Log: slog.New(slog.DiscardHandler), DB: db,
-			Target: w.target, Pods: pods, CNIPods: cniPods, Enrollments: enrollments, Reports: tableReportsOf{db, cniPods}},
+			Target: w.target, Pods: pods, CNIPods: cniPods, Enrollments: enrollments, Reports: tableReportsOf{db, cniPods, time.Now()}},
 		reported: map[string]bool{}, pending: map[string]*searchState{},
 	}
 	return w
@@ -160,18 +161,22 @@ func TestSearchConfirms(t *testing.T) {
 	}
 
 	// gone's sandbox report goes (a DEL) while its dying namespace holds
-	// its addresses: never searched.
+	// its addresses: not searched for reportGoneWait.
 	gone := w.addPod("gone", true, "10.0.1.70")
 	w.addNamespace("/run/netns/cni-dying", 7, "10.0.1.70")
 	w.report(&tables.CNIPod{ContainerID: "c-gone", Pod: "app/gone", UID: "gone-1", Netns: "/run/netns/cni-dying"})
 	t3 := t2.Add(time.Minute)
 	w.step(t3)
 	w.unreport("c-gone")
-	for _, at := range []time.Duration{0, searchConfirm, searchRetry, time.Hour} {
+	for _, at := range []time.Duration{0, searchConfirm, searchRetry, reportGoneWait - time.Second} {
 		w.step(t3.Add(at))
 	}
 	if st := w.s.pending["app/gone"]; st == nil || !st.searched.IsZero() || w.kept(gone) != "" {
-		t.Errorf("a pod whose report went: %+v, kept %q; want pending, never searched, none kept", st, w.kept(gone))
+		t.Errorf("a pod whose report went: %+v, kept %q; want pending, not searched, none kept", st, w.kept(gone))
+	}
+	w.step(t3.Add(reportGoneWait))
+	if st := w.s.pending["app/gone"]; st == nil || st.searched.IsZero() {
+		t.Errorf("a pod whose report went, after reportGoneWait: %+v, want searched", st)
 	}
 }
 
@@ -195,6 +200,8 @@ func TestSearchRefuses(t *testing.T) {
 			w.target.aliases = map[string]NetnsID{"/var/run/netns/alias-of-cni-old": {Ino: 1}}
 		}, ErrNetnsNotFound},
 		{"an entry not read", func(w *searchWorld) { w.target.errs["/run/netns/cni-x"] = os.ErrPermission }, ErrNetnsUnreadable},
+		{"pinned after the agent first started", func(w *searchWorld) { w.target.namespaces[0].Pinned = w.s.Reports.ChainedSince() }, ErrNetnsTooNew},
+		{"Cilium's health endpoint", func(w *searchWorld) { w.target.namespaces[0].Path = "/run/netns/cilium-health" }, ErrNetnsNotFound},
 		{"a report's path not read", func(w *searchWorld) {
 			w.report(&tables.CNIPod{ContainerID: "c-x", Pod: "app/x", UID: "x-1", Netns: "/proc/4242/ns/net"})
 			w.target.identifyErr = os.ErrPermission
@@ -218,20 +225,38 @@ func TestSearchRefuses(t *testing.T) {
 	}
 }
 
-// TestSearchRechecksAtKeep: a report naming the namespace between the
-// search and the keep stops the keep.
+// TestSearchRechecksAtKeep: what changes between the listing and the keep
+// stops the keep: a report naming the namespace, the pod's own sandbox
+// reported, the pod unenrolled, its addresses shown for another pod.
 func TestSearchRechecksAtKeep(t *testing.T) {
-	w := newSearchWorld(t)
-	pod := w.addPod("old", true, "10.0.1.50")
-	w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
-	t0 := time.Now()
-	w.step(t0)
-	w.target.onSearch = func() {
-		w.report(&tables.CNIPod{ContainerID: "c-new", Pod: "app/new", UID: "new-1", Netns: "/run/netns/cni-old"})
-	}
-	w.step(t0.Add(searchConfirm))
-	if got := w.kept(pod); got != "" || !strings.Contains(w.reason(pod), "named by a report of app/new") {
-		t.Errorf("kept %q, reason %q; want none, named by app/new's report", got, w.reason(pod))
+	for _, tc := range []struct {
+		name   string
+		change func(w *searchWorld)
+		reason string
+	}{
+		{"another pod's report names it", func(w *searchWorld) {
+			w.report(&tables.CNIPod{ContainerID: "c-new", Pod: "app/new", UID: "new-1", Netns: "/run/netns/cni-old"})
+		}, "named by a report of app/new"},
+		{"its sandbox reported", func(w *searchWorld) {
+			w.report(&tables.CNIPod{ContainerID: "c-old", Pod: "app/old", UID: "old-1", Netns: "/var/run/netns/cni-new"})
+		}, "reported meanwhile"},
+		{"unenrolled", func(w *searchWorld) { w.addPod("old", false, "10.0.1.50") }, "no longer enrolled"},
+		{"address shown for another pod", func(w *searchWorld) { w.addPod("newcomer", false, "10.0.1.50") }, ErrAddressShared.Error()},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newSearchWorld(t)
+			pod := w.addPod("old", true, "10.0.1.50")
+			w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+			t0 := time.Now()
+			w.step(t0)
+			// The change lands while the folder is listed, after the
+			// step's snapshot.
+			w.target.onSearch = func() { tc.change(w) }
+			w.step(t0.Add(searchConfirm))
+			if got := w.kept(pod); got != "" || !strings.Contains(w.reason(pod), tc.reason) {
+				t.Errorf("kept %q, reason %q; want none, %q", got, w.reason(pod), tc.reason)
+			}
+		})
 	}
 }
 
@@ -246,7 +271,15 @@ func TestSearchDropsWhatItKept(t *testing.T) {
 		drop   bool
 	}{
 		{"nothing changed", func(*searchWorld) {}, false},
-		{"an entry not read", func(w *searchWorld) { w.target.errs["/run/netns/cni-old"] = os.ErrPermission }, false},
+		{"an entry not read", func(w *searchWorld) {
+			w.target.errs["/run/netns/cni-old"] = os.ErrPermission
+			w.target.unlisted = true
+		}, false},
+		{"the folder not read", func(w *searchWorld) {
+			w.target.errs["/run/netns"] = os.ErrPermission
+			w.target.unlisted = true
+		}, false},
+		{"listed under another folder", func(w *searchWorld) { w.s.Config.NetnsDir = "/var/run/netns" }, false},
 		{"namespace gone", func(w *searchWorld) { w.target.namespaces = nil }, true},
 		{"other addresses", func(w *searchWorld) { w.target.namespaces[0].IPs = []netip.Addr{netip.MustParseAddr("10.0.1.51")} }, true},
 		{"sandbox reported", func(w *searchWorld) {
@@ -309,7 +342,9 @@ func TestMatchNamespace(t *testing.T) {
 // searchTarget lists namespaces from memory and counts the listings.
 type searchTarget struct {
 	Target
-	namespaces  []Namespace
+	namespaces []Namespace
+	// unlisted: the listing leaves the namespaces out (they exist).
+	unlisted    bool
 	errs        map[string]error
 	aliases     map[string]NetnsID
 	identifyErr error
@@ -317,12 +352,18 @@ type searchTarget struct {
 	searches    int
 }
 
-func (s *searchTarget) Namespaces(string) ([]Namespace, map[string]error) {
+func (s *searchTarget) Namespaces(dir string) ([]Namespace, map[string]error) {
 	s.searches++
 	if s.onSearch != nil {
 		s.onSearch()
 	}
-	return s.namespaces, s.errs
+	var listed []Namespace
+	for _, ns := range s.namespaces {
+		if filepath.Dir(ns.Path) == dir && !s.unlisted {
+			listed = append(listed, ns)
+		}
+	}
+	return listed, s.errs
 }
 
 func (s *searchTarget) Identify(path string) (NetnsID, error) {
@@ -340,11 +381,15 @@ func (s *searchTarget) Identify(path string) (NetnsID, error) {
 	return NetnsID{}, os.ErrNotExist
 }
 
-// tableReportsOf keeps rows in the table only.
+// tableReportsOf keeps rows in the table only; the agent started at
+// since.
 type tableReportsOf struct {
 	db      *statedb.DB
 	cniPods statedb.RWTable[*tables.CNIPod]
+	since   time.Time
 }
+
+func (r tableReportsOf) ChainedSince() time.Time { return r.since }
 
 func (r tableReportsOf) Keep(row *tables.CNIPod, check func(statedb.ReadTxn) error) error {
 	wtxn := r.db.WriteTxn(r.cniPods)

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -55,12 +56,13 @@ type Target interface {
 	Namespaces(dir string) ([]Namespace, map[string]error)
 }
 
-// Namespace is a network namespace pinned in a folder: where, which, and
-// its addresses.
+// Namespace is a network namespace pinned in a folder: where, which, its
+// addresses, and since when it is pinned (at the latest).
 type Namespace struct {
-	Path string
-	ID   NetnsID
-	IPs  []netip.Addr
+	Path   string
+	ID     NetnsID
+	IPs    []netip.Addr
+	Pinned time.Time
 }
 
 // NetnsID identifies a network namespace, whatever path names it: its
@@ -179,10 +181,17 @@ func (netlinkTarget) Namespaces(dir string) ([]Namespace, map[string]error) {
 		}
 		path := filepath.Join(dir, e.Name())
 		ns := Namespace{Path: path}
-		err := inPodNetns(path, nil, func(h netns.NsHandle) (err error) {
-			if ns.ID, err = netnsID(h); err != nil {
+		err := inPodNetns(path, nil, func(h netns.NsHandle) error {
+			// The namespace's inode (nsfs) is made when the namespace is
+			// first referred to, at the latest when it is pinned, and
+			// lives as long as the pin: its change time is when.
+			var st unix.Stat_t
+			if err := unix.Fstat(int(h), &st); err != nil {
 				return err
 			}
+			ns.ID = NetnsID{Dev: st.Dev, Ino: st.Ino}
+			ns.Pinned = time.Unix(st.Ctim.Unix())
+			var err error
 			ns.IPs, err = netnsAddrs(h)
 			return err
 		})
