@@ -38,11 +38,15 @@ var Cell = cell.Module(
 	// cni-pods rows kept on disk, for the in-pod mode's search of
 	// sandboxes no plugin reported.
 	cell.Provide(func(log *slog.Logger, db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], s *store) tables.CNIReports {
-		since, err := s.firstStart(time.Now())
-		if err != nil {
-			log.Warn("Cannot record the agent's first start of this boot in the state folder", "error", err)
+		now, err := startNow()
+		var first FirstStart
+		if err == nil {
+			first, err = s.firstStart(now)
 		}
-		return reports{log: log, db: db, cniPods: cniPods, store: s, since: since}
+		if err != nil {
+			log.Error("Cannot tell this boot's first start of an agent: the in-pod mode finds no pod that predates the plugin", "error", err)
+		}
+		return reports{log: log, db: db, cniPods: cniPods, store: s, first: first}
 	}),
 	// POST /v1/cni/pods/NS/NAME and DELETE /v1/cni/containers/ID on api.sock
 	// write cni-pods.

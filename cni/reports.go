@@ -4,9 +4,12 @@ package cni
 
 import (
 	"log/slog"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/cilium/statedb"
+	"golang.org/x/sys/unix"
 
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -18,8 +21,8 @@ type reports struct {
 	db      *statedb.DB
 	cniPods statedb.RWTable[*tables.CNIPod]
 	store   *store
-	// since is when an agent of this boot first started.
-	since time.Time
+	// first is this boot's first start of an agent.
+	first FirstStart
 }
 
 var _ tables.CNIReports = reports{}
@@ -49,9 +52,29 @@ func (r reports) Keep(row *tables.CNIPod, check func(statedb.ReadTxn) error) err
 	return nil
 }
 
-// ChainedSince is when an agent of this boot first started: the plugin,
-// which it chains, reports every sandbox made since.
-func (r reports) ChainedSince() time.Time { return r.since }
+// ChainedSince is when an agent of this boot first started (on today's
+// wall clock): the plugin, which it chains, reports the sandboxes made
+// since.
+func (r reports) ChainedSince() time.Time {
+	now, err := startNow()
+	if err != nil {
+		return time.Time{}
+	}
+	return r.first.Since(now.At, now.BootTime)
+}
+
+// startNow is a start record for now.
+func startNow() (FirstStart, error) {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {
+		return FirstStart{}, err
+	}
+	id, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return FirstStart{}, err
+	}
+	return FirstStart{At: time.Now(), BootID: strings.TrimSpace(string(id)), BootTime: time.Duration(ts.Nano())}, nil
+}
 
 // Drop removes the row from the table and the disk.
 func (r reports) Drop(row *tables.CNIPod) error {

@@ -96,22 +96,61 @@ func (s *store) load() ([]*tables.CNIPod, []error) {
 	return rows, errs
 }
 
-// firstStartFile holds when an agent first started since the node booted
-// (the state folder is cleared at boot).
+// firstStartFile holds when an agent first started since the node booted.
 const firstStartFile = "first-start"
 
-// firstStart returns when an agent of this boot first started, recording
-// now if none did (or what was recorded does not read).
-func (s *store) firstStart(now time.Time) (time.Time, error) {
+// FirstStart is when an agent first started since the node booted, with
+// the boot's id and its CLOCK_BOOTTIME then: a wall clock set back since
+// is told from it.
+type FirstStart struct {
+	At       time.Time     `json:"at"`
+	BootID   string        `json:"bootID"`
+	BootTime time.Duration `json:"bootTime"`
+}
+
+// Since is the first start on today's wall clock: earlier by as much as
+// the clock was set back since (a namespace made after the first start
+// then shows a time before it); zero when unknown, which nothing
+// precedes.
+func (f FirstStart) Since(now time.Time, bootTime time.Duration) time.Time {
+	if f.At.IsZero() {
+		return time.Time{}
+	}
+	setBack := f.At.Add(-f.BootTime).Sub(now.Add(-bootTime))
+	if setBack > 0 {
+		return f.At.Add(-setBack)
+	}
+	return f.At
+}
+
+// firstStart returns the record of this boot's first start, writing one
+// for now when there is none (or one of an earlier boot: the folder was
+// not cleared). A record that cannot be read or written gives an error
+// and the zero record: a later agent must never record a later start.
+func (s *store) firstStart(now FirstStart) (FirstStart, error) {
 	path := filepath.Join(s.dir, firstStartFile)
 	b, err := os.ReadFile(path)
-	if err == nil {
-		if at, err := time.Parse(time.RFC3339Nano, strings.TrimSpace(string(b))); err == nil {
-			return at, nil
+	switch {
+	case err == nil:
+		var f FirstStart
+		if err := json.Unmarshal(b, &f); err != nil || f.At.IsZero() {
+			return FirstStart{}, fmt.Errorf("%s does not read (%v): remove it to record the start of this agent", path, err)
 		}
+		if f.BootID == now.BootID {
+			return f, nil
+		}
+	case !errors.Is(err, os.ErrNotExist):
+		return FirstStart{}, err
 	}
-	if err := os.MkdirAll(s.dir, 0o700); err != nil {
-		return now, err
+	b, err = json.Marshal(now)
+	if err == nil {
+		err = os.MkdirAll(s.dir, 0o700)
 	}
-	return now, atomicfile.Write(path, []byte(now.UTC().Format(time.RFC3339Nano)), 0o600)
+	if err == nil {
+		err = atomicfile.Write(path, b, 0o600)
+	}
+	if err != nil {
+		return FirstStart{}, err
+	}
+	return now, nil
 }

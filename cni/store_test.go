@@ -180,22 +180,52 @@ func TestReportsKeep(t *testing.T) {
 }
 
 // TestFirstStart: the first start of this boot is recorded once and read
-// back by later agents; a record that does not read is replaced.
+// back by later agents of the same boot; a record of an earlier boot is
+// replaced; one that does not read gives the zero record (nothing
+// precedes it), never a later start.
 func TestFirstStart(t *testing.T) {
 	s := newStore(t.TempDir())
-	first := time.Date(2026, 12, 6, 1, 0, 0, 0, time.UTC)
-	if got, err := s.firstStart(first); err != nil || !got.Equal(first) {
+	first := FirstStart{At: time.Date(2026, 12, 6, 1, 0, 0, 0, time.UTC), BootID: "boot-1", BootTime: time.Minute}
+	if got, err := s.firstStart(first); err != nil || got != first {
 		t.Fatalf("first agent: %v %v", got, err)
 	}
-	if got, err := s.firstStart(first.Add(time.Hour)); err != nil || !got.Equal(first) {
+	restart := FirstStart{At: first.At.Add(time.Hour), BootID: "boot-1", BootTime: time.Hour + time.Minute}
+	if got, err := s.firstStart(restart); err != nil || !got.At.Equal(first.At) {
 		t.Errorf("a restarted agent: %v %v, want the first start", got, err)
 	}
 	if rows, errs := s.load(); len(rows) != 0 || len(errs) != 0 {
 		t.Errorf("the record is read as a report: %v %v", rows, errs)
 	}
+	rebooted := FirstStart{At: first.At.Add(2 * time.Hour), BootID: "boot-2", BootTime: time.Second}
+	if got, err := s.firstStart(rebooted); err != nil || got != rebooted {
+		t.Errorf("after a reboot the folder kept: %v %v, want the new start", got, err)
+	}
 	must(t, os.WriteFile(filepath.Join(s.dir, firstStartFile), []byte("garbled"), 0o600))
-	later := first.Add(2 * time.Hour)
-	if got, err := s.firstStart(later); err != nil || !got.Equal(later) {
-		t.Errorf("after a garbled record: %v %v, want now", got, err)
+	if got, err := s.firstStart(FirstStart{At: first.At.Add(3 * time.Hour), BootID: "boot-2"}); err == nil || !got.At.IsZero() {
+		t.Errorf("after a garbled record: %v %v, want an error and no start", got, err)
+	}
+}
+
+// TestFirstStartSince: a wall clock set back after the first start moves
+// it back as much; one set forward leaves it.
+func TestFirstStartSince(t *testing.T) {
+	at := time.Date(2026, 12, 6, 1, 0, 0, 0, time.UTC)
+	f := FirstStart{At: at, BootID: "b", BootTime: time.Minute}
+	for _, tc := range []struct {
+		name     string
+		now      time.Time
+		bootTime time.Duration
+		want     time.Time
+	}{
+		{"clock kept", at.Add(time.Hour), time.Hour + time.Minute, at},
+		{"set back 2h", at.Add(time.Hour - 2*time.Hour), time.Hour + time.Minute, at.Add(-2 * time.Hour)},
+		{"set forward 2h", at.Add(3 * time.Hour), time.Hour + time.Minute, at},
+	} {
+		if got := f.Since(tc.now, tc.bootTime); !got.Equal(tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		}
+	}
+	if got := (FirstStart{}).Since(at, time.Minute); !got.IsZero() {
+		t.Errorf("unknown first start: %v, want zero", got)
 	}
 }

@@ -240,7 +240,10 @@ func (n *bedNode) startAgent() {
 		"--devices=" + netnstest.UplinkName, "--grpc-listen=" + n.grpc, "--ca-dir=" + n.bed.caDir,
 		"--bypass-check-interval=1s"}, n.bed.cluster.agentArgs(n)...)
 	if n.inPod {
-		args = append(args, "--redirect-mode=inpod", "--zds-socket="+n.zdsSocket, "--netns-dir="+n.netnsDir)
+		args = append(args, "--redirect-mode=inpod", "--zds-socket="+n.zdsSocket, "--netns-dir="+n.netnsDir,
+			// The testbed's pods are seconds old when a test makes the
+			// agent forget them.
+			"--netns-search-min-age=1s")
 	}
 	n.agent = n.bed.start(n.ns.Name, filepath.Join(n.stateDir, "agent.log"), os.Environ(), args...)
 }

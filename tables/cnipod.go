@@ -34,9 +34,10 @@ type CNIReports interface {
 	Keep(row *CNIPod, check func(statedb.ReadTxn) error) error
 	// Drop removes row.
 	Drop(row *CNIPod) error
-	// ChainedSince is when the agent first started since the node
-	// booted: every sandbox made since went through the plugin (a
-	// report), or started without it being reachable.
+	// ChainedSince is when an agent first started since the node booted
+	// (on today's wall clock; zero when unknown): the plugin it chains
+	// reports the sandboxes made since (but under a fail-open policy, or
+	// before the agent chained it).
 	ChainedSince() time.Time
 }
 

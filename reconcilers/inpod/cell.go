@@ -16,6 +16,8 @@
 package inpod
 
 import (
+	"time"
+
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
@@ -77,6 +79,11 @@ type Config struct {
 	// namespaces (flag --netns-dir), searched for those no CNI report
 	// names; empty: never searched.
 	NetnsDir string
+	// NetnsSearchMinAge is how long before the agent's first start since
+	// boot a namespace must have been pinned to be searched (flag
+	// --netns-search-min-age): one pinned later may have been in its CNI
+	// ADD then, its addresses not yet given.
+	NetnsSearchMinAge time.Duration
 }
 
 // DefaultZDSSocket is ztunnel's default INPOD_UDS.
@@ -85,7 +92,7 @@ const DefaultZDSSocket = "/var/run/ztunnel/ztunnel.sock"
 // DefaultNetnsDir is where containerd and CRI-O pin pods' namespaces.
 const DefaultNetnsDir = "/var/run/netns"
 
-var defaultConfig = Config{ZDSSocket: DefaultZDSSocket, NetnsDir: DefaultNetnsDir}
+var defaultConfig = Config{ZDSSocket: DefaultZDSSocket, NetnsDir: DefaultNetnsDir, NetnsSearchMinAge: 5 * time.Minute}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(flags *pflag.FlagSet) {
@@ -93,4 +100,6 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 		"--redirect-mode=inpod: the UNIX socket ztunnel connects to (its INPOD_UDS; Cilium's chart uses /var/run/cilium/ztunnel.sock)")
 	flags.String("netns-dir", def.NetnsDir,
 		"--redirect-mode=inpod: the folder where the container runtime pins pods' network namespaces, searched by address for an enrolled pod no CNI report names (one started before mtlsbridge-cni was chained); empty: never searched")
+	flags.Duration("netns-search-min-age", def.NetnsSearchMinAge,
+		"--redirect-mode=inpod: how long before this boot's first agent start a namespace must have been pinned to be searched (longer than a CNI ADD takes)")
 }

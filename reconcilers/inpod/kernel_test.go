@@ -170,12 +170,14 @@ status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
 }
 
 // TestNamespaces: the listing of a folder of pinned namespaces gives each
-// pod's namespace once per pin with its identity and addresses, and
-// passes over the agent's own namespace (the node's) and a file that is
-// none, without an error.
+// pod's namespace once per pin with its identity, addresses and since
+// when it exists, and passes over the agent's own namespace (the node's)
+// and a file that is none, without an error.
 func TestNamespaces(t *testing.T) {
 	netnstest.RequirePrivileged(t)
 	n1, _ := netnstest.NewNodes(t)
+	// The kernel stamps times on a coarse tick.
+	created := time.Now().Add(-time.Second)
 	a := n1.AddPod(t, "a")
 	folder := t.TempDir()
 	a.NS.Pin(t, filepath.Join(folder, "a"))
@@ -201,6 +203,10 @@ func TestNamespaces(t *testing.T) {
 	}
 	if want := fmt.Sprintf("a same:true [%s 127.0.0.1 ::1 %s]", a.IP4, a.IP6); !slices.Equal(got, []string{want}) {
 		t.Errorf("listed %q, want only %q", got, want)
+	}
+	// Since when it exists: made by this test.
+	if len(namespaces) == 1 && (namespaces[0].ExistsSince.Before(created) || namespaces[0].ExistsSince.After(time.Now())) {
+		t.Errorf("a's namespace exists since %v, want between %v and now", namespaces[0].ExistsSince, created)
 	}
 }
 
@@ -264,7 +270,7 @@ func startAgent(t *testing.T, manifests string, report *tables.CNIPod, flags ...
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(fs)
 	// The host's namespaces are never searched (flags may name a folder).
-	must(t, fs.Parse(append([]string{"--source=dir:" + manifests, "--node-name=node-a", "--netns-dir=" + t.TempDir()}, flags...)))
+	must(t, fs.Parse(append([]string{"--source=dir:" + manifests, "--node-name=node-a", "--netns-dir=" + t.TempDir(), "--netns-search-min-age=0s"}, flags...)))
 	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
 	defer cancel()
 	must(t, h.Start(hivetest.Logger(t), ctx))

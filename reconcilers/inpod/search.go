@@ -27,33 +27,33 @@ import (
 )
 
 // The search finds the network namespace of an enrolled pod of this node
-// that no CNI report names: a pod that started before mtlsbridge-cni was
-// chained (mtlsbridge installed on a running cluster), or whose report
-// was lost. Without it such a pod is not redirected until it restarts.
+// that no CNI report names because it started before mtlsbridge-cni was
+// chained (mtlsbridge installed on a running cluster). Without it such a
+// pod is not redirected until it restarts.
 // istio-cni's node agent finds them through /proc (hostPID); the agent
 // looks in the folder where the runtime pins pods' namespaces
 // (--netns-dir).
 //
 // A wrong answer would hand one pod's identity to another pod's
 // namespace, so a namespace is chosen only when nothing speaks against
-// it: it was pinned before the agent first started since the node booted
-// (tables.CNIReports.ChainedSince: a sandbox made since went through the
-// plugin, and after a reboot the API shows addresses of sandboxes gone,
-// which new ones may hold); it is not Cilium's health endpoint's; it is
-// the one namespace of the folder, every entry read, whose addresses are
-// exactly those the API shows for the pod (loopback and link-local
-// aside); no report names it (a namespace is compared by identity, under
-// whatever path); no other pod the API shows has any of those addresses
-// (a deleted pod's may be reused); and a second search, searchConfirm
-// later, finds the same (a sandbox in the middle of its ADD holds its
-// addresses before the plugin reports it). A pod whose report went while
+// it: it is the one namespace of the folder, every entry read, whose
+// addresses are exactly those the API shows for the pod (loopback and
+// link-local aside); it existed --netns-search-min-age before the agent
+// first started since the node booted (tables.CNIReports.ChainedSince: a
+// sandbox made since went through the plugin, one made just before may
+// have been in its ADD, and after a reboot the API shows addresses of
+// sandboxes gone, which new ones may hold); it is not Cilium's health
+// endpoint's; no report names it (a namespace is compared by identity,
+// under whatever path); no other pod the API shows has any of those
+// addresses (a deleted pod's may be reused); and a second search,
+// searchConfirm later, finds the same. A pod whose report went while
 // the agent watched (a CNI DEL) is searched for only reportGoneWait later:
 // its next sandbox is reported meanwhile. The one found is kept as a report
 // (tables.CNIStateFound, no addresses: the API's count), so that whatever
 // reads reports (the derivation, the prune, the l2 mode's cleanup, a
 // restarted agent) reads it too; it is dropped once its namespace is gone
-// or holds other addresses, or a report names the pod's sandbox or that
-// namespace.
+// or holds other addresses, another pod shows one of them, or a report
+// names the pod's sandbox or that namespace.
 type searchParams struct {
 	cell.In
 
@@ -88,7 +88,9 @@ var (
 	ErrNetnsAmbiguous  = errors.New("several network namespaces hold the pod's addresses")
 	ErrAddressShared   = errors.New("the API shows the pod's addresses for another pod too")
 	ErrNetnsUnreadable = errors.New("the namespaces are not all read, so none is chosen")
-	ErrNetnsTooNew     = errors.New("the namespace holding the pod's addresses was pinned after the agent first started (it should have a CNI report)")
+	ErrNetnsTooNew     = errors.New("the namespace holding the pod's addresses is younger than the agent's first start since boot (less --netns-search-min-age): it should have a CNI report")
+	ErrNetnsReported   = errors.New("the namespace holding the pod's addresses is named by another pod's CNI report")
+	ErrNetnsNotPod     = errors.New("the namespace holding the pod's addresses is Cilium's health endpoint's")
 )
 
 // ciliumHealthNetns is the namespace Cilium pins for its health endpoint:
@@ -234,7 +236,7 @@ func (s *search) step(txn statedb.ReadTxn, pods []*tables.Pod, reported map[stri
 	found := s.found(txn)
 	if len(due) > 0 || (len(found) > 0 && now.Sub(s.checked) >= searchRetry) {
 		namespaces, errs := s.Target.Namespaces(s.Config.NetnsDir)
-		s.check(txn, found, namespaces)
+		s.check(txn, found, namespaces, errs)
 		s.checked = now
 		if len(due) > 0 {
 			s.search(txn, due, namespaces, errs, now)
@@ -257,29 +259,26 @@ func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Na
 	if incomplete == nil && len(errs) > 0 {
 		incomplete = unreadable(errs)
 	}
-	since := s.Reports.ChainedSince()
-	var candidates, tooNew []Namespace
-	for _, ns := range namespaces {
-		switch {
-		case reported[ns.ID] != "" || filepath.Base(ns.Path) == ciliumHealthNetns:
-		case !ns.Pinned.Before(since):
-			tooNew = append(tooNew, ns)
-		default:
-			candidates = append(candidates, ns)
-		}
-	}
+	before := s.Reports.ChainedSince().Add(-s.Config.NetnsSearchMinAge)
 	for _, pod := range pods {
 		st := s.pending[pod.Key()]
 		st.searched = now
 		var ns Namespace
 		err := incomplete
 		if err == nil {
-			ns, err = matchNamespace(pod.IPs, candidates)
+			// Among every namespace listed: one that may not be chosen
+			// holding the addresses too makes the choice ambiguous.
+			ns, err = matchNamespace(pod.IPs, namespaces)
 		}
-		if _, newer := matchNamespace(pod.IPs, tooNew); errors.Is(err, ErrNetnsNotFound) && newer == nil {
-			err = fmt.Errorf("%w: pinned after %s", ErrNetnsTooNew, since.Format(time.RFC3339))
-		}
-		if err == nil {
+		switch {
+		case err != nil:
+		case reported[ns.ID] != "":
+			err = fmt.Errorf("%w: %s, of %s", ErrNetnsReported, ns.Path, reported[ns.ID])
+		case filepath.Base(ns.Path) == ciliumHealthNetns:
+			err = fmt.Errorf("%w: %s", ErrNetnsNotPod, ns.Path)
+		case !ns.ExistsSince.Before(before):
+			err = fmt.Errorf("%w: %s exists since %s", ErrNetnsTooNew, ns.Path, ns.ExistsSince.Format(time.RFC3339))
+		default:
 			err = s.eligible(txn, pod)
 		}
 		switch {
@@ -338,9 +337,8 @@ func unreadable(errs map[string]error) error {
 }
 
 // eligible tells whether the pod, as txn shows it, may still be given a
-// namespace found for it: unchanged, enrolled, unreported, and no other
-// pod the API shows (not finished, not on the host's network) has any of
-// its addresses.
+// namespace found for it: unchanged, enrolled, unreported, its addresses
+// its own.
 func (s *search) eligible(txn statedb.ReadTxn, pod *tables.Pod) error {
 	cur, _, ok := s.Pods.Get(txn, tables.PodByKey(pod.Key()))
 	e, _, enrolled := s.Enrollments.Get(txn, enrollment.ByKey(pod.Key()))
@@ -352,6 +350,12 @@ func (s *search) eligible(txn statedb.ReadTxn, pod *tables.Pod) error {
 	case newestReport(txn, s.CNIPods, cur) != nil:
 		return errors.New("its sandbox was reported meanwhile")
 	}
+	return s.addressesShared(txn, cur)
+}
+
+// addressesShared tells whether another pod the API shows (not finished,
+// not on the host's network) has any of the pod's addresses.
+func (s *search) addressesShared(txn statedb.ReadTxn, pod *tables.Pod) error {
 	var others []string
 	for _, ip := range pod.IPs {
 		for other := range s.Pods.List(txn, tables.PodsByIP(ip)) {
@@ -401,7 +405,7 @@ func (s *search) found(txn statedb.ReadTxn) []*tables.CNIPod {
 // check drops a kept report whose namespace is gone or no longer holds
 // exactly the pod's addresses, or that a report of the pod's sandbox, or
 // of another pod naming that namespace, supersedes.
-func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces []Namespace) {
+func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces []Namespace, errs map[string]error) {
 	byPath := map[string]Namespace{}
 	for _, ns := range namespaces {
 		byPath[ns.Path] = ns
@@ -422,11 +426,16 @@ func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces [
 		}
 		ns, listed := byPath[row.Netns]
 		_, identifyErr := s.Target.Identify(row.Netns)
+		// Listed fine, the folder passes over what is no namespace.
+		inFolder := filepath.Dir(row.Netns) == filepath.Clean(s.Config.NetnsDir) && len(errs) == 0
+		shared := s.addressesShared(txn, pod)
 		var why string
 		switch {
 		case s.sandboxReported(txn, pod):
 			why = "the pod's sandbox is reported"
-		case !listed && errors.Is(identifyErr, os.ErrNotExist):
+		case shared != nil:
+			why = shared.Error()
+		case !listed && (errors.Is(identifyErr, os.ErrNotExist) || inFolder):
 			why = "its namespace is gone"
 		case !listed:
 			// Not read now, or in another folder (an earlier --netns-dir):

@@ -40,7 +40,7 @@ func newSearchWorld(t *testing.T) *searchWorld {
 	must(t, err)
 	w := &searchWorld{t: t, db: db, pods: pods, cniPods: cniPods, enrollments: enrollments, target: &searchTarget{errs: map[string]error{}}}
 	w.s = &search{
-		searchParams: searchParams{Config: Config{NetnsDir: "/run/netns"}, Log: slog.New(slog.DiscardHandler), DB: db,
+		searchParams: searchParams{Config: Config{NetnsDir: "/run/netns", NetnsSearchMinAge: 5 * time.Minute}, Log: slog.New(slog.DiscardHandler), DB: db,
 			Target: w.target, Pods: pods, CNIPods: cniPods, Enrollments: enrollments, Reports: tableReportsOf{db, cniPods, time.Now()}},
 		reported: map[string]bool{}, pending: map[string]*searchState{},
 	}
@@ -198,10 +198,16 @@ func TestSearchRefuses(t *testing.T) {
 		{"reported for another pod", func(w *searchWorld) {
 			w.report(&tables.CNIPod{ContainerID: "c-new", Pod: "app/new", UID: "new-1", Netns: "/var/run/netns/alias-of-cni-old"})
 			w.target.aliases = map[string]NetnsID{"/var/run/netns/alias-of-cni-old": {Ino: 1}}
-		}, ErrNetnsNotFound},
+		}, ErrNetnsReported},
+		{"a younger namespace holds them too", func(w *searchWorld) {
+			w.addNamespace("/run/netns/cni-young", 2, "10.0.1.50")
+			w.target.namespaces[1].ExistsSince = w.s.Reports.ChainedSince()
+		}, ErrNetnsAmbiguous},
 		{"an entry not read", func(w *searchWorld) { w.target.errs["/run/netns/cni-x"] = os.ErrPermission }, ErrNetnsUnreadable},
-		{"pinned after the agent first started", func(w *searchWorld) { w.target.namespaces[0].Pinned = w.s.Reports.ChainedSince() }, ErrNetnsTooNew},
-		{"Cilium's health endpoint", func(w *searchWorld) { w.target.namespaces[0].Path = "/run/netns/cilium-health" }, ErrNetnsNotFound},
+		{"younger than the first start less the minimum age", func(w *searchWorld) {
+			w.target.namespaces[0].ExistsSince = w.s.Reports.ChainedSince().Add(-w.s.Config.NetnsSearchMinAge + time.Second)
+		}, ErrNetnsTooNew},
+		{"Cilium's health endpoint", func(w *searchWorld) { w.target.namespaces[0].Path = "/run/netns/cilium-health" }, ErrNetnsNotPod},
 		{"a report's path not read", func(w *searchWorld) {
 			w.report(&tables.CNIPod{ContainerID: "c-x", Pod: "app/x", UID: "x-1", Netns: "/proc/4242/ns/net"})
 			w.target.identifyErr = os.ErrPermission
@@ -280,6 +286,10 @@ func TestSearchDropsWhatItKept(t *testing.T) {
 			w.target.unlisted = true
 		}, false},
 		{"listed under another folder", func(w *searchWorld) { w.s.Config.NetnsDir = "/var/run/netns" }, false},
+		{"no namespace any more", func(w *searchWorld) {
+			w.target.unlisted = true // the path is a file now (Identify still finds it)
+		}, true},
+		{"address shown for another pod", func(w *searchWorld) { w.addPod("newcomer", false, "10.0.1.50") }, true},
 		{"namespace gone", func(w *searchWorld) { w.target.namespaces = nil }, true},
 		{"other addresses", func(w *searchWorld) { w.target.namespaces[0].IPs = []netip.Addr{netip.MustParseAddr("10.0.1.51")} }, true},
 		{"sandbox reported", func(w *searchWorld) {

@@ -57,12 +57,12 @@ type Target interface {
 }
 
 // Namespace is a network namespace pinned in a folder: where, which, its
-// addresses, and since when it is pinned (at the latest).
+// addresses, and since when it exists (at the latest).
 type Namespace struct {
-	Path   string
-	ID     NetnsID
-	IPs    []netip.Addr
-	Pinned time.Time
+	Path        string
+	ID          NetnsID
+	IPs         []netip.Addr
+	ExistsSince time.Time
 }
 
 // NetnsID identifies a network namespace, whatever path names it: its
@@ -182,15 +182,16 @@ func (netlinkTarget) Namespaces(dir string) ([]Namespace, map[string]error) {
 		path := filepath.Join(dir, e.Name())
 		ns := Namespace{Path: path}
 		err := inPodNetns(path, nil, func(h netns.NsHandle) error {
-			// The namespace's inode (nsfs) is made when the namespace is
-			// first referred to, at the latest when it is pinned, and
-			// lives as long as the pin: its change time is when.
+			// The namespace's inode (nsfs) is made when something refers
+			// to the namespace, and lives while something does (the pin,
+			// which cannot change it): its change time is between the
+			// namespace's creation and the pin.
 			var st unix.Stat_t
 			if err := unix.Fstat(int(h), &st); err != nil {
 				return err
 			}
 			ns.ID = NetnsID{Dev: st.Dev, Ino: st.Ino}
-			ns.Pinned = time.Unix(st.Ctim.Unix())
+			ns.ExistsSince = time.Unix(st.Ctim.Unix())
 			var err error
 			ns.IPs, err = netnsAddrs(h)
 			return err
