@@ -37,8 +37,13 @@ var Cell = cell.Module(
 	cell.ProvidePrivate(func(dir statedir.Dir) *store { return newStore(string(dir)) }),
 	// cni-pods rows kept on disk, for the in-pod mode's search of
 	// sandboxes no plugin reported.
-	cell.Provide(func(log *slog.Logger, db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], s *store) tables.CNIReports {
+	cell.Provide(func(cfg Config, log *slog.Logger, db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], s *store) tables.CNIReports {
 		now, err := startNow()
+		if err == nil && cfg.CNIInstall && chainedBeforeBoot(cfg.CNIBinDir, now) {
+			// Nothing of this boot predates the plugin: the first start
+			// is recorded as the boot itself.
+			now.At, now.BootTime = now.At.Add(-now.BootTime), 0
+		}
 		var first FirstStart
 		if err == nil {
 			first, err = s.firstStart(now)

@@ -5,12 +5,14 @@ package cni
 import (
 	"log/slog"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/cilium/statedb"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
@@ -63,17 +65,28 @@ func (r reports) ChainedSince() time.Time {
 	return r.first.Since(now.At, now.BootTime)
 }
 
-// startNow is a start record for now.
+// startNow is a start record for now (the wall clock and CLOCK_BOOTTIME
+// read together).
 func startNow() (FirstStart, error) {
-	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {
-		return FirstStart{}, err
-	}
 	id, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
 	if err != nil {
 		return FirstStart{}, err
 	}
-	return FirstStart{At: time.Now(), BootID: strings.TrimSpace(string(id)), BootTime: time.Duration(ts.Nano())}, nil
+	var ts unix.Timespec
+	at := time.Now().Round(0)
+	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {
+		return FirstStart{}, err
+	}
+	return FirstStart{At: at, BootID: strings.TrimSpace(string(id)), BootTime: time.Duration(ts.Nano())}, nil
+}
+
+// chainedBeforeBoot tells whether the plugin binary installed in binDir
+// dates from before the boot of start: then it was chained before the
+// boot (the installer never removes it), and every sandbox of this boot
+// went through it.
+func chainedBeforeBoot(binDir string, start FirstStart) bool {
+	st, err := os.Stat(filepath.Join(binDir, install.PluginType))
+	return err == nil && st.ModTime().Before(start.At.Add(-start.BootTime))
 }
 
 // Drop removes the row from the table and the disk.

@@ -109,14 +109,15 @@ type FirstStart struct {
 }
 
 // Since is the first start on today's wall clock: earlier by as much as
-// the clock was set back since (a namespace made after the first start
+// the clock is set back since (a namespace made after the first start
 // then shows a time before it); zero when unknown, which nothing
-// precedes.
+// precedes. Wall clocks only: with Go's monotonic readings, Sub would
+// not see a step.
 func (f FirstStart) Since(now time.Time, bootTime time.Duration) time.Time {
 	if f.At.IsZero() {
 		return time.Time{}
 	}
-	setBack := f.At.Add(-f.BootTime).Sub(now.Add(-bootTime))
+	setBack := f.At.Round(0).Add(-f.BootTime).Sub(now.Round(0).Add(-bootTime))
 	if setBack > 0 {
 		return f.At.Add(-setBack)
 	}
@@ -134,7 +135,7 @@ func (s *store) firstStart(now FirstStart) (FirstStart, error) {
 	case err == nil:
 		var f FirstStart
 		if err := json.Unmarshal(b, &f); err != nil || f.At.IsZero() {
-			return FirstStart{}, fmt.Errorf("%s does not read (%v): remove it to record the start of this agent", path, err)
+			return FirstStart{}, fmt.Errorf("%s does not read (%v); removed, the start of the next agent is recorded as the first (the in-pod mode may then take a pod started before it for one that predates the plugin)", path, err)
 		}
 		if f.BootID == now.BootID {
 			return f, nil

@@ -229,3 +229,39 @@ func TestFirstStartSince(t *testing.T) {
 		t.Errorf("unknown first start: %v, want zero", got)
 	}
 }
+
+// TestStartNow: the record of a start carries no monotonic reading (a
+// step of the wall clock must show in Since, also in the agent that
+// wrote it), and the boot's id.
+func TestStartNow(t *testing.T) {
+	now, err := startNow()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if now.At != now.At.Round(0) || now.BootID == "" || now.BootTime <= 0 {
+		t.Errorf("start %+v: want a wall-clock time, the boot id and CLOCK_BOOTTIME", now)
+	}
+	// The same process, its clock set back 2h: seen.
+	if got := now.Since(now.At.Add(-2*time.Hour+time.Second), now.BootTime+time.Second); !got.Equal(now.At.Add(-2 * time.Hour)) {
+		t.Errorf("set back 2h: %v, want %v", got, now.At.Add(-2*time.Hour))
+	}
+}
+
+// TestChainedBeforeBoot: a plugin binary older than the boot means the
+// plugin was chained before it; a newer or missing one does not.
+func TestChainedBeforeBoot(t *testing.T) {
+	dir := t.TempDir()
+	start := FirstStart{At: time.Now(), BootID: "b", BootTime: time.Hour}
+	if chainedBeforeBoot(dir, start) {
+		t.Errorf("no binary: chained before boot")
+	}
+	bin := filepath.Join(dir, "mtlsbridge-cni")
+	must(t, os.WriteFile(bin, nil, 0o755))
+	if chainedBeforeBoot(dir, start) {
+		t.Errorf("a binary of this boot: chained before boot")
+	}
+	must(t, os.Chtimes(bin, time.Time{}, start.At.Add(-2*time.Hour)))
+	if !chainedBeforeBoot(dir, start) {
+		t.Errorf("a binary older than the boot: not chained before boot")
+	}
+}

@@ -84,13 +84,14 @@ const (
 
 // Why a pod's namespace is not found.
 var (
-	ErrNetnsNotFound   = errors.New("no network namespace holds exactly the pod's addresses")
-	ErrNetnsAmbiguous  = errors.New("several network namespaces hold the pod's addresses")
-	ErrAddressShared   = errors.New("the API shows the pod's addresses for another pod too")
-	ErrNetnsUnreadable = errors.New("the namespaces are not all read, so none is chosen")
-	ErrNetnsTooNew     = errors.New("the namespace holding the pod's addresses is younger than the agent's first start since boot (less --netns-search-min-age): it should have a CNI report")
-	ErrNetnsReported   = errors.New("the namespace holding the pod's addresses is named by another pod's CNI report")
-	ErrNetnsNotPod     = errors.New("the namespace holding the pod's addresses is Cilium's health endpoint's")
+	ErrNetnsNotFound     = errors.New("no network namespace holds exactly the pod's addresses")
+	ErrNetnsAmbiguous    = errors.New("several network namespaces hold the pod's addresses")
+	ErrAddressShared     = errors.New("the API shows the pod's addresses for another pod too")
+	ErrNetnsUnreadable   = errors.New("the namespaces are not all read, so none is chosen")
+	ErrNetnsTooNew       = errors.New("the namespace holding the pod's addresses is younger than the agent's first start since boot (less --netns-search-min-age): it should have a CNI report")
+	ErrNetnsReported     = errors.New("the namespace holding the pod's addresses is named by another pod's CNI report")
+	ErrNetnsNotPod       = errors.New("the namespace holding the pod's addresses is Cilium's health endpoint's")
+	ErrFirstStartUnknown = errors.New("this boot's first agent start is unknown (see the cni module's log), so no namespace is old enough")
 )
 
 // ciliumHealthNetns is the namespace Cilium pins for its health endpoint:
@@ -136,9 +137,13 @@ func (st *searchState) due() time.Time {
 	return st.searched.Add(searchRetry)
 }
 
-func registerSearch(p searchParams) {
+func registerSearch(p searchParams) error {
+	if p.Config.NetnsSearchMinAge < 0 {
+		return fmt.Errorf("--netns-search-min-age=%s: must not be negative", p.Config.NetnsSearchMinAge)
+	}
 	s := &search{searchParams: p, reported: map[string]bool{}, pending: map[string]*searchState{}}
 	p.Jobs.Add(job.OneShot("search-unreported-netns", s.run))
+	return nil
 }
 
 func (s *search) run(ctx context.Context, health cell.Health) error {
@@ -259,7 +264,11 @@ func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Na
 	if incomplete == nil && len(errs) > 0 {
 		incomplete = unreadable(errs)
 	}
-	before := s.Reports.ChainedSince().Add(-s.Config.NetnsSearchMinAge)
+	chained := s.Reports.ChainedSince()
+	if incomplete == nil && chained.IsZero() {
+		incomplete = ErrFirstStartUnknown
+	}
+	before := chained.Add(-s.Config.NetnsSearchMinAge)
 	for _, pod := range pods {
 		st := s.pending[pod.Key()]
 		st.searched = now
@@ -427,7 +436,8 @@ func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces [
 		ns, listed := byPath[row.Netns]
 		_, identifyErr := s.Target.Identify(row.Netns)
 		// Listed fine, the folder passes over what is no namespace.
-		inFolder := filepath.Dir(row.Netns) == filepath.Clean(s.Config.NetnsDir) && len(errs) == 0
+		dir := filepath.Clean(s.Config.NetnsDir)
+		inFolder := filepath.Dir(row.Netns) == dir && errs[dir] == nil && errs[row.Netns] == nil
 		shared := s.addressesShared(txn, pod)
 		var why string
 		switch {

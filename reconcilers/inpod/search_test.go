@@ -180,6 +180,26 @@ func TestSearchConfirms(t *testing.T) {
 	}
 }
 
+// TestSearchMinAge: a namespace that existed just over the minimum age
+// before the first start is found; one just under is not.
+func TestSearchMinAge(t *testing.T) {
+	for _, tc := range []struct {
+		age   time.Duration
+		found bool
+	}{{time.Second, true}, {-time.Second, false}} {
+		w := newSearchWorld(t)
+		pod := w.addPod("old", true, "10.0.1.50")
+		w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+		w.target.namespaces[0].ExistsSince = w.s.Reports.ChainedSince().Add(-w.s.Config.NetnsSearchMinAge - tc.age)
+		t0 := time.Now()
+		w.step(t0)
+		w.step(t0.Add(searchConfirm))
+		if found := w.kept(pod) != ""; found != tc.found {
+			t.Errorf("existing %v beyond the minimum age: found %v, want %v (%s)", tc.age, found, tc.found, w.reason(pod))
+		}
+	}
+}
+
 // TestSearchRefuses: no namespace is chosen when nothing may be: several
 // hold the addresses, one holds more, another pod shows one of them, a
 // report names the one, or an entry (or a report's path) is not read.
@@ -208,6 +228,7 @@ func TestSearchRefuses(t *testing.T) {
 			w.target.namespaces[0].ExistsSince = w.s.Reports.ChainedSince().Add(-w.s.Config.NetnsSearchMinAge + time.Second)
 		}, ErrNetnsTooNew},
 		{"Cilium's health endpoint", func(w *searchWorld) { w.target.namespaces[0].Path = "/run/netns/cilium-health" }, ErrNetnsNotPod},
+		{"the first start unknown", func(w *searchWorld) { w.s.Reports = tableReportsOf{w.db, w.cniPods, time.Time{}} }, ErrFirstStartUnknown},
 		{"a report's path not read", func(w *searchWorld) {
 			w.report(&tables.CNIPod{ContainerID: "c-x", Pod: "app/x", UID: "x-1", Netns: "/proc/4242/ns/net"})
 			w.target.identifyErr = os.ErrPermission
