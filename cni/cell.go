@@ -10,19 +10,16 @@ package cni
 
 import (
 	"fmt"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"time"
 
 	"github.com/cilium/hive/cell"
-	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
 
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
-	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // Cell answers the CNI plugin and, with --cni-install, installs it.
@@ -35,24 +32,9 @@ var Cell = cell.Module(
 	cell.ProvidePrivate(newMetrics),
 	// cni-pods rows as files in the state folder.
 	cell.ProvidePrivate(func(dir statedir.Dir) *store { return newStore(string(dir)) }),
-	// cni-pods rows kept on disk, for the in-pod mode's search of
-	// sandboxes no plugin reported.
-	cell.Provide(func(cfg Config, log *slog.Logger, db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], s *store) tables.CNIReports {
-		now, err := startNow()
-		if err == nil && cfg.CNIInstall && chainedBeforeBoot(cfg.CNIBinDir, now) {
-			// Nothing of this boot predates the plugin: the first start
-			// is recorded as the boot itself.
-			now.At, now.BootTime = now.At.Add(-now.BootTime), 0
-		}
-		var first FirstStart
-		if err == nil {
-			first, err = s.firstStart(now)
-		}
-		if err != nil {
-			log.Error("Cannot tell this boot's first start of an agent: the in-pod mode finds no pod that predates the plugin", "error", err)
-		}
-		return reports{log: log, db: db, cniPods: cniPods, store: s, first: first}
-	}),
+	// cni-pods rows kept on disk: the plugin's reports and the in-pod
+	// mode's findings.
+	cell.Provide(newReports),
 	// POST /v1/cni/pods/NS/NAME and DELETE /v1/cni/containers/ID on api.sock
 	// write cni-pods.
 	cell.Provide(newHandlers),

@@ -35,6 +35,7 @@ type handlerParams struct {
 	Namespaces statedb.Table[*tables.Namespace]
 	Policies   statedb.Table[*tables.Policy]
 	CNIPods    statedb.RWTable[*tables.CNIPod]
+	Reports    tables.CNIReports
 	Store      *store
 	Metrics    *metrics
 	// Modes: the active one says whether an enrolled pod is steered.
@@ -229,11 +230,7 @@ func (h *handler) record(key string, req plugin.Request, ans plugin.Answer, aske
 		return
 	}
 	row.Updated = time.Now()
-	h.reports().Keep(row, nil)
-}
-
-func (h *handler) reports() reports {
-	return reports{log: h.Log, db: h.DB, cniPods: h.CNIPods, store: h.Store}
+	h.Reports.Keep(row, nil)
 }
 
 // podAddrs checks the addresses of a report and puts them in canonical

@@ -116,11 +116,13 @@ func fuzzHandler(f testing.TB) (*http.ServeMux, *handler) {
 	pods.Insert(wtxn, &tables.Pod{Namespace: "app", Name: "plain", NodeName: "node-a", IPs: []netip.Addr{netip.MustParseAddr("10.0.1.11")}})
 	wtxn.Commit()
 
+	store := newStore(f.TempDir())
 	h := &handler{handlerParams: handlerParams{
 		Log: slog.New(slog.DiscardHandler), DB: db,
 		Enrollment: enrollment.Config{TrustDomain: "cluster.local", ExcludedNamespaces: []string{"kube-system"}},
 		Pods:       pods, Namespaces: namespaces, Policies: policies, CNIPods: cniPods,
-		Store: newStore(f.TempDir()), Metrics: newMetrics(prometheus.NewRegistry()),
+		Store: store, Reports: reports{log: slog.New(slog.DiscardHandler), db: db, cniPods: cniPods, store: store},
+		Metrics: newMetrics(prometheus.NewRegistry()),
 	}, mode: settlingMode{}}
 	mux := http.NewServeMux()
 	routes := h.routes()

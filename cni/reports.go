@@ -29,6 +29,25 @@ type reports struct {
 
 var _ tables.CNIReports = reports{}
 
+// newReports records this boot's first start of an agent, unless an
+// earlier agent did.
+func newReports(cfg Config, log *slog.Logger, db *statedb.DB, cniPods statedb.RWTable[*tables.CNIPod], s *store) tables.CNIReports {
+	now, err := startNow()
+	if err == nil && cfg.CNIInstall && chainedBeforeBoot(cfg.CNIBinDir, now) {
+		// Nothing of this boot predates the plugin: the first start is
+		// recorded as the boot itself.
+		now.At, now.BootTime = now.At.Add(-now.BootTime), 0
+	}
+	var first FirstStart
+	if err == nil {
+		first, err = s.firstStart(now)
+	}
+	if err != nil {
+		log.Error("Cannot tell this boot's first start of an agent: the in-pod mode finds no pod that predates the plugin", "error", err)
+	}
+	return reports{log: log, db: db, cniPods: cniPods, store: s, first: first}
+}
+
 // Keep checks and writes in one transaction: on disk first, so that a
 // row the table shows is one a restarted agent still knows. A row the
 // disk refuses is logged and kept in the table all the same: the running

@@ -80,8 +80,8 @@ type Config struct {
 	// names; empty: never searched.
 	NetnsDir string
 	// NetnsSearchMinAge is how long before the agent's first start since
-	// boot a namespace must have been pinned to be searched (flag
-	// --netns-search-min-age): one pinned later may have been in its CNI
+	// boot a namespace must have existed to be searched (flag
+	// --netns-search-min-age): one made later may have been in its CNI
 	// ADD then, its addresses not yet given.
 	NetnsSearchMinAge time.Duration
 }
@@ -101,5 +101,5 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("netns-dir", def.NetnsDir,
 		"--redirect-mode=inpod: the folder where the container runtime pins pods' network namespaces, searched by address for an enrolled pod no CNI report names (one started before mtlsbridge-cni was chained); empty: never searched")
 	flags.Duration("netns-search-min-age", def.NetnsSearchMinAge,
-		"--redirect-mode=inpod: how long before this boot's first agent start a namespace must have been pinned to be searched (longer than a CNI ADD takes)")
+		"--redirect-mode=inpod: how long before this boot's first agent start a namespace must have existed to be searched (longer than a CNI ADD takes)")
 }

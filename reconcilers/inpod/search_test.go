@@ -47,6 +47,15 @@ func newSearchWorld(t *testing.T) *searchWorld {
 	return w
 }
 
+// newOldPodWorld is a world with one enrolled pod, app/old, and one
+// namespace holding its address, /run/netns/cni-old.
+func newOldPodWorld(t *testing.T) (*searchWorld, *tables.Pod) {
+	w := newSearchWorld(t)
+	pod := w.addPod("old", true, "10.0.1.50")
+	w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+	return w, pod
+}
+
 // addPod puts a pod of this node in the API, enrolled or not (or its
 // new addresses).
 func (w *searchWorld) addPod(name string, enrolled bool, ips ...string) *tables.Pod {
@@ -187,9 +196,7 @@ func TestSearchMinAge(t *testing.T) {
 		age   time.Duration
 		found bool
 	}{{time.Second, true}, {-time.Second, false}} {
-		w := newSearchWorld(t)
-		pod := w.addPod("old", true, "10.0.1.50")
-		w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+		w, pod := newOldPodWorld(t)
 		w.target.namespaces[0].ExistsSince = w.s.Reports.ChainedSince().Add(-w.s.Config.NetnsSearchMinAge - tc.age)
 		t0 := time.Now()
 		w.step(t0)
@@ -235,9 +242,7 @@ func TestSearchRefuses(t *testing.T) {
 		}, ErrNetnsUnreadable},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			w := newSearchWorld(t)
-			pod := w.addPod("old", true, "10.0.1.50")
-			w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+			w, pod := newOldPodWorld(t)
 			tc.setup(w)
 			for _, at := range []time.Duration{0, searchConfirm} {
 				w.step(t0.Add(at))
@@ -271,9 +276,7 @@ func TestSearchRechecksAtKeep(t *testing.T) {
 		{"address shown for another pod", func(w *searchWorld) { w.addPod("newcomer", false, "10.0.1.50") }, ErrAddressShared.Error()},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			w := newSearchWorld(t)
-			pod := w.addPod("old", true, "10.0.1.50")
-			w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+			w, pod := newOldPodWorld(t)
 			t0 := time.Now()
 			w.step(t0)
 			// The change lands while the folder is listed, after the
@@ -321,9 +324,7 @@ func TestSearchDropsWhatItKept(t *testing.T) {
 		}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			w := newSearchWorld(t)
-			pod := w.addPod("old", true, "10.0.1.50")
-			w.addNamespace("/run/netns/cni-old", 1, "10.0.1.50")
+			w, pod := newOldPodWorld(t)
 			w.step(t0)
 			w.step(t0.Add(searchConfirm))
 			if w.kept(pod) == "" {
