@@ -54,16 +54,7 @@ func TestKernel(t *testing.T) {
 	r.Serve(t, "r", 8080, false, r.IP4, r.IP6)
 	manifests := t.TempDir()
 	path := "/var/run/netns/" + a.NS.Name
-	must(t, manifesttest.Write(manifests, "cluster.yaml", fmt.Appendf(nil, `apiVersion: v1
-kind: Namespace
-metadata: {name: app}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: a, namespace: app, uid: a-1, labels: {cilium.io/redir-type: workload}}
-spec: {nodeName: node-a}
-status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
-`, a.IP4, a.IP6)))
+	must(t, manifesttest.Write(manifests, "cluster.yaml", clusterOf(a)))
 	report := &tables.CNIPod{ContainerID: "sandbox-a", Pod: "app/a", UID: "a-1", IPs: []netip.Addr{a.IP4, a.IP6},
 		Netns: path, State: tables.CNIStateWaiting, Updated: time.Now()}
 
@@ -130,22 +121,7 @@ func TestKernelFindsUnreportedNetns(t *testing.T) {
 	must(t, os.WriteFile(filepath.Join(folder, "not-a-netns"), nil, 0o600))
 
 	manifests := t.TempDir()
-	must(t, manifesttest.Write(manifests, "cluster.yaml", fmt.Appendf(nil, `apiVersion: v1
-kind: Namespace
-metadata: {name: app}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: a, namespace: app, uid: a-1, labels: {cilium.io/redir-type: workload}}
-spec: {nodeName: node-a}
-status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: plain, namespace: app, uid: plain-1}
-spec: {nodeName: node-a}
-status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
-`, a.IP4, a.IP6, plain.IP4, plain.IP6)))
+	must(t, manifesttest.Write(manifests, "cluster.yaml", clusterOf(a, plain)))
 
 	socket := startZtunnel(t)
 
@@ -208,6 +184,27 @@ func TestNamespaces(t *testing.T) {
 	if len(namespaces) == 1 && (namespaces[0].ExistsSince.Before(created) || namespaces[0].ExistsSince.After(time.Now())) {
 		t.Errorf("a's namespace exists since %v, want between %v and now", namespaces[0].ExistsSince, created)
 	}
+}
+
+// clusterOf is the API of namespace app with the pods on node-a, the
+// first enrolled (label cilium.io/redir-type=workload), the others not;
+// pod NAME's uid is NAME-1.
+func clusterOf(enrolled *netnstest.Pod, plain ...*netnstest.Pod) []byte {
+	b := []byte("apiVersion: v1\nkind: Namespace\nmetadata: {name: app}\n")
+	for i, p := range append([]*netnstest.Pod{enrolled}, plain...) {
+		labels := ""
+		if i == 0 {
+			labels = ", labels: {cilium.io/redir-type: workload}"
+		}
+		b = fmt.Appendf(b, `---
+apiVersion: v1
+kind: Pod
+metadata: {name: %s, namespace: app, uid: %s-1%s}
+spec: {nodeName: node-a}
+status: {phase: Running, podIPs: [{ip: %s}, {ip: %q}]}
+`, p.Name, p.Name, labels, p.IP4, p.IP6)
+	}
+	return b
 }
 
 // startZtunnel runs a ZDS client as ztunnel (netnsZtunnel) on a socket
