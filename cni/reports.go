@@ -100,9 +100,12 @@ func startNow() (FirstStart, error) {
 }
 
 // chainedBeforeBoot tells whether the plugin binary installed in binDir
-// dates from before the boot of start: then it was chained before the
-// boot (the installer never removes it), and every sandbox of this boot
-// went through it.
+// dates from before the boot of start (by today's clock): the installer
+// wrote it in an earlier boot, and chains it again at start. A sandbox of
+// this boot made before then without it (a conflist rewritten without the
+// entry, a binary left by a removal without uninstall) is not searched
+// for: a loss of reach, never of safety (the first start only moves
+// earlier).
 func chainedBeforeBoot(binDir string, start FirstStart) bool {
 	st, err := os.Stat(filepath.Join(binDir, install.PluginType))
 	return err == nil && st.ModTime().Before(start.At.Add(-start.BootTime))

@@ -135,7 +135,7 @@ func (s *store) firstStart(now FirstStart) (FirstStart, error) {
 	case err == nil:
 		var f FirstStart
 		if err := json.Unmarshal(b, &f); err != nil || f.At.IsZero() {
-			return FirstStart{}, fmt.Errorf("%s does not read (%v); removed, the start of the next agent is recorded as the first (the in-pod mode may then take a pod started before it for one that predates the plugin)", path, err)
+			return FirstStart{}, fmt.Errorf("%s does not read (%v); once it is removed, the next agent's start is recorded as the first (the in-pod mode may then take a pod started before it for one that predates the plugin)", path, err)
 		}
 		if f.BootID == now.BootID {
 			return f, nil

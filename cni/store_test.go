@@ -265,3 +265,39 @@ func TestChainedBeforeBoot(t *testing.T) {
 		t.Errorf("a binary older than the boot: not chained before boot")
 	}
 }
+
+// TestNewReportsChainedBeforeBoot: with --cni-install and a plugin binary
+// older than the boot, the boot itself is recorded as the first start;
+// without the install, or with a binary of this boot, the agent's start.
+func TestNewReportsChainedBeforeBoot(t *testing.T) {
+	now, err := startNow()
+	must(t, err)
+	boot := now.At.Add(-now.BootTime)
+	for _, tc := range []struct {
+		name         string
+		install, old bool
+		wantBoot     bool
+	}{
+		{"installed before the boot", true, true, true},
+		{"installed this boot", true, false, false},
+		{"not installed by the agent", false, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			binDir := t.TempDir()
+			bin := filepath.Join(binDir, "mtlsbridge-cni")
+			must(t, os.WriteFile(bin, nil, 0o755))
+			if tc.old {
+				must(t, os.Chtimes(bin, time.Time{}, boot.Add(-time.Hour)))
+			}
+			db := statedb.New()
+			cniPods, err := tables.NewCNIPodsTable(db)
+			must(t, err)
+			r := newReports(Config{CNIInstall: tc.install, CNIBinDir: binDir}, slog.New(slog.DiscardHandler), db, cniPods, newStore(t.TempDir()))
+			// Within a second of the boot, or of now.
+			got := r.ChainedSince()
+			if atBoot := got.Sub(boot).Abs() < time.Second; atBoot != tc.wantBoot {
+				t.Errorf("first start %v (boot %v, now %v): at the boot %v, want %v", got, boot, now.At, atBoot, tc.wantBoot)
+			}
+		})
+	}
+}

@@ -310,6 +310,15 @@ func TestSearchDropsWhatItKept(t *testing.T) {
 			w.target.unlisted = true
 		}, false},
 		{"listed under another folder", func(w *searchWorld) { w.s.Config.NetnsDir = "/var/run/netns" }, false},
+		{"the folder, named with a trailing slash, not read", func(w *searchWorld) {
+			w.s.Config.NetnsDir = "/run/netns/"
+			w.target.errs["/run/netns"] = os.ErrPermission
+			w.target.unlisted = true
+		}, false},
+		{"no namespace any more, another entry not read", func(w *searchWorld) {
+			w.target.errs["/run/netns/cni-x"] = os.ErrPermission
+			w.target.unlisted = true
+		}, true},
 		{"no namespace any more", func(w *searchWorld) {
 			w.target.unlisted = true // the path is a file now (Identify still finds it)
 		}, true},
@@ -340,6 +349,13 @@ func TestSearchDropsWhatItKept(t *testing.T) {
 				t.Errorf("dropped %v, want %v", dropped, tc.drop)
 			}
 		})
+	}
+}
+
+// TestSearchMinAgeNotNegative: a negative minimum age is refused at start.
+func TestSearchMinAgeNotNegative(t *testing.T) {
+	if err := registerSearch(searchParams{Config: Config{NetnsSearchMinAge: -time.Second}}); err == nil {
+		t.Errorf("--netns-search-min-age=-1s accepted")
 	}
 }
 
@@ -391,7 +407,7 @@ func (s *searchTarget) Namespaces(dir string) ([]Namespace, map[string]error) {
 	}
 	var listed []Namespace
 	for _, ns := range s.namespaces {
-		if filepath.Dir(ns.Path) == dir && !s.unlisted {
+		if filepath.Dir(ns.Path) == filepath.Clean(dir) && !s.unlisted {
 			listed = append(listed, ns)
 		}
 	}

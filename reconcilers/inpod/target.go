@@ -52,7 +52,7 @@ type Target interface {
 	// Namespaces lists the network namespaces pinned in dir, but the
 	// node's, with the addresses each holds. Entries that are no network
 	// namespace are passed over; those that cannot be read are errors, by
-	// path (dir's own when it cannot be listed).
+	// path (dir's own, cleaned, when it cannot be listed).
 	Namespaces(dir string) ([]Namespace, map[string]error)
 }
 
@@ -169,6 +169,7 @@ func (netlinkTarget) CloseAll(path string, id NetnsID) (closed int, err error) {
 }
 
 func (netlinkTarget) Namespaces(dir string) ([]Namespace, map[string]error) {
+	dir = filepath.Clean(dir)
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, map[string]error{dir: err}
