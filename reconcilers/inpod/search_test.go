@@ -189,6 +189,34 @@ func TestSearchConfirms(t *testing.T) {
 	}
 }
 
+// TestSearchConfirmsTheSame: a second listing that finds the namespace
+// under another path (or another namespace under the same path) starts
+// the confirmation again.
+func TestSearchConfirmsTheSame(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		ns   Namespace
+	}{
+		{"same namespace, another path", Namespace{Path: "/run/netns/cni-moved", ID: NetnsID{Ino: 1}}},
+		{"same path, another namespace", Namespace{Path: "/run/netns/cni-old", ID: NetnsID{Ino: 9}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, pod := newOldPodWorld(t)
+			t0 := time.Now()
+			w.step(t0)
+			w.target.namespaces = nil
+			w.addNamespace(tc.ns.Path, tc.ns.ID.Ino, "10.0.1.50")
+			if next := w.step(t0.Add(searchConfirm)); w.kept(pod) != "" || !next.Equal(t0.Add(2*searchConfirm)) {
+				t.Fatalf("kept %q, next +%v; want none, the confirmation again", w.kept(pod), next.Sub(t0))
+			}
+			w.step(t0.Add(2 * searchConfirm))
+			if got := w.kept(pod); got != tc.ns.Path {
+				t.Errorf("kept %q, want %s once confirmed", got, tc.ns.Path)
+			}
+		})
+	}
+}
+
 // TestSearchMinAge: a namespace that existed just over the minimum age
 // before the first start is found; one just under is not.
 func TestSearchMinAge(t *testing.T) {
