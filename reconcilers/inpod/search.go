@@ -240,11 +240,11 @@ func (s *search) step(txn statedb.ReadTxn, pods []*tables.Pod, reported map[stri
 	// searchRetry.
 	found := s.found(txn)
 	if len(due) > 0 || (len(found) > 0 && now.Sub(s.checked) >= searchRetry) {
-		namespaces, errs := s.Target.Namespaces(s.Config.NetnsDir)
-		s.check(txn, found, namespaces, errs)
+		l := s.list(txn)
+		s.check(txn, found, l)
 		s.checked = now
 		if len(due) > 0 {
-			s.search(txn, due, namespaces, errs, now)
+			s.search(txn, due, l, now)
 		}
 	}
 	var next time.Time
@@ -259,10 +259,28 @@ func (s *search) step(txn statedb.ReadTxn, pods []*tables.Pod, reported map[stri
 	return next
 }
 
-func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Namespace, errs map[string]error, now time.Time) {
-	reported, incomplete := s.reportedNamespaces(txn)
-	if incomplete == nil && len(errs) > 0 {
-		incomplete = unreadable(errs)
+// listing is what a step reads once, for the check and the search: the
+// folder's namespaces, the entries that could not be read, and the
+// namespaces reports name (incomplete when a report's path could not be
+// identified).
+type listing struct {
+	namespaces []Namespace
+	errs       map[string]error
+	reported   map[NetnsID][]string
+	incomplete error
+}
+
+func (s *search) list(txn statedb.ReadTxn) listing {
+	var l listing
+	l.namespaces, l.errs = s.Target.Namespaces(s.Config.NetnsDir)
+	l.reported, l.incomplete = s.reportedNamespaces(txn)
+	return l
+}
+
+func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, l listing, now time.Time) {
+	incomplete := l.incomplete
+	if incomplete == nil && len(l.errs) > 0 {
+		incomplete = unreadable(l.errs)
 	}
 	chained := s.Reports.ChainedSince()
 	if incomplete == nil && chained.IsZero() {
@@ -277,12 +295,12 @@ func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Na
 		if err == nil {
 			// Among every namespace listed: one that may not be chosen
 			// holding the addresses too makes the choice ambiguous.
-			ns, err = matchNamespace(pod.IPs, namespaces)
+			ns, err = matchNamespace(pod.IPs, l.namespaces)
 		}
 		switch {
 		case err != nil:
-		case reported[ns.ID] != "":
-			err = fmt.Errorf("%w: %s, of %s", ErrNetnsReported, ns.Path, reported[ns.ID])
+		case len(l.reported[ns.ID]) > 0:
+			err = fmt.Errorf("%w: %s, of %s", ErrNetnsReported, ns.Path, strings.Join(l.reported[ns.ID], ", "))
 		case filepath.Base(ns.Path) == ciliumHealthNetns:
 			err = fmt.Errorf("%w: %s", ErrNetnsNotPod, ns.Path)
 		case !ns.ExistsSince.Before(before):
@@ -312,11 +330,11 @@ func (s *search) search(txn statedb.ReadTxn, pods []*tables.Pod, namespaces []Na
 	}
 }
 
-// reportedNamespaces are the namespaces reports name, and whose; a report
-// whose path cannot be identified (but for a namespace gone) makes it
-// incomplete.
-func (s *search) reportedNamespaces(txn statedb.ReadTxn) (map[NetnsID]string, error) {
-	reported := map[NetnsID]string{}
+// reportedNamespaces are the namespaces reports name, with the pods whose
+// reports name them; a report whose path cannot be identified (but for a
+// namespace gone) makes it incomplete.
+func (s *search) reportedNamespaces(txn statedb.ReadTxn) (map[NetnsID][]string, error) {
+	reported := map[NetnsID][]string{}
 	errs := map[string]error{}
 	for row := range s.CNIPods.All(txn) {
 		if row.Netns == "" {
@@ -325,7 +343,7 @@ func (s *search) reportedNamespaces(txn statedb.ReadTxn) (map[NetnsID]string, er
 		id, err := s.Target.Identify(row.Netns)
 		switch {
 		case err == nil:
-			reported[id] = row.Pod
+			reported[id] = append(reported[id], row.Pod)
 		case !errors.Is(err, os.ErrNotExist):
 			errs[row.Netns] = err
 		}
@@ -393,8 +411,8 @@ func (s *search) keep(pod *tables.Pod, ns Namespace, now time.Time) error {
 			return err
 		}
 		reported, err := s.reportedNamespaces(txn)
-		if owner := reported[ns.ID]; owner != "" {
-			return fmt.Errorf("%s is named by a report of %s now", ns.Path, owner)
+		if owners := reported[ns.ID]; len(owners) > 0 {
+			return fmt.Errorf("%s is named by a report of %s now", ns.Path, strings.Join(owners, ", "))
 		}
 		return err
 	})
@@ -414,19 +432,10 @@ func (s *search) found(txn statedb.ReadTxn) []*tables.CNIPod {
 // check drops a kept report whose namespace is gone or no longer holds
 // exactly the pod's addresses, or that a report of the pod's sandbox, or
 // of another pod naming that namespace, supersedes.
-func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces []Namespace, errs map[string]error) {
+func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, l listing) {
 	byPath := map[string]Namespace{}
-	for _, ns := range namespaces {
+	for _, ns := range l.namespaces {
 		byPath[ns.Path] = ns
-	}
-	reported := map[NetnsID]string{}
-	for row := range s.CNIPods.All(txn) {
-		if row.State == tables.CNIStateFound || row.Netns == "" {
-			continue
-		}
-		if id, err := s.Target.Identify(row.Netns); err == nil {
-			reported[id] = row.Pod
-		}
 	}
 	for _, row := range found {
 		pod, _, ok := s.Pods.Get(txn, tables.PodByKey(row.Pod))
@@ -437,7 +446,7 @@ func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces [
 		_, identifyErr := s.Target.Identify(row.Netns)
 		// Listed fine, the folder passes over what is no namespace.
 		dir := filepath.Clean(s.Config.NetnsDir)
-		inFolder := filepath.Dir(row.Netns) == dir && errs[dir] == nil && errs[row.Netns] == nil
+		inFolder := filepath.Dir(row.Netns) == dir && l.errs[dir] == nil && l.errs[row.Netns] == nil
 		shared := s.addressesShared(txn, pod)
 		var why string
 		switch {
@@ -451,8 +460,8 @@ func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces [
 			// Not read now, or in another folder (an earlier --netns-dir):
 			// only what is seen drops it.
 			continue
-		case reported[ns.ID] != "":
-			why = "a report of " + reported[ns.ID] + " names its namespace"
+		case len(others(l.reported[ns.ID], row.Pod)) > 0:
+			why = "a report of " + strings.Join(others(l.reported[ns.ID], row.Pod), ", ") + " names its namespace"
 		case !sameAddrs(ns.IPs, pod.IPs):
 			why = "its namespace does not hold exactly the pod's addresses any more"
 		default:
@@ -464,6 +473,11 @@ func (s *search) check(txn statedb.ReadTxn, found []*tables.CNIPod, namespaces [
 		}
 		s.Log.Info("Dropped the network namespace found for a pod", "pod", row.Pod, "netns", row.Netns, "reason", why)
 	}
+}
+
+// others are the pods but pod.
+func others(pods []string, pod string) []string {
+	return slices.DeleteFunc(slices.Clone(pods), func(p string) bool { return p == pod })
 }
 
 // sandboxReported tells whether a report of the plugin names a

@@ -187,13 +187,10 @@ func (netlinkTarget) Namespaces(dir string) ([]Namespace, map[string]error) {
 			// to the namespace, and lives while something does (the pin,
 			// which cannot change it): its change time is between the
 			// namespace's creation and the pin.
-			var st unix.Stat_t
-			if err := unix.Fstat(int(h), &st); err != nil {
+			var err error
+			if ns.ID, ns.ExistsSince, err = netnsStat(h); err != nil {
 				return err
 			}
-			ns.ID = NetnsID{Dev: st.Dev, Ino: st.Ino}
-			ns.ExistsSince = time.Unix(st.Ctim.Unix())
-			var err error
 			ns.IPs, err = netnsAddrs(h)
 			return err
 		})
@@ -220,11 +217,18 @@ func statNetns(path string) (NetnsID, error) {
 
 // netnsID is the identity of the namespace h holds open.
 func netnsID(h netns.NsHandle) (NetnsID, error) {
+	id, _, err := netnsStat(h)
+	return id, err
+}
+
+// netnsStat is the identity of the namespace h holds open, and the change
+// time of its inode.
+func netnsStat(h netns.NsHandle) (NetnsID, time.Time, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(int(h), &st); err != nil {
-		return NetnsID{}, err
+		return NetnsID{}, time.Time{}, err
 	}
-	return NetnsID{Dev: st.Dev, Ino: st.Ino}, nil
+	return NetnsID{Dev: st.Dev, Ino: st.Ino}, time.Unix(st.Ctim.Unix()), nil
 }
 
 // sameNetns checks that the namespace opened at path is still id: if not,
