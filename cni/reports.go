@@ -77,26 +77,35 @@ func (r reports) Keep(row *tables.CNIPod, check func(statedb.ReadTxn) error) err
 // wall clock): the plugin, which it chains, reports the sandboxes made
 // since.
 func (r reports) ChainedSince() time.Time {
-	now, err := startNow()
+	at, bootTime, err := clocks()
 	if err != nil {
 		return time.Time{}
 	}
-	return r.first.Since(now.At, now.BootTime)
+	return r.first.Since(at, bootTime)
 }
 
-// startNow is a start record for now (the wall clock and CLOCK_BOOTTIME
-// read together).
+// clocks reads the wall clock (without Go's monotonic reading) and
+// CLOCK_BOOTTIME together.
+func clocks() (time.Time, time.Duration, error) {
+	var ts unix.Timespec
+	at := time.Now().Round(0)
+	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {
+		return time.Time{}, 0, err
+	}
+	return at, time.Duration(ts.Nano()), nil
+}
+
+// startNow is a start record for now.
 func startNow() (FirstStart, error) {
 	id, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
 	if err != nil {
 		return FirstStart{}, err
 	}
-	var ts unix.Timespec
-	at := time.Now().Round(0)
-	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {
+	at, bootTime, err := clocks()
+	if err != nil {
 		return FirstStart{}, err
 	}
-	return FirstStart{At: at, BootID: strings.TrimSpace(string(id)), BootTime: time.Duration(ts.Nano())}, nil
+	return FirstStart{At: at, BootID: strings.TrimSpace(string(id)), BootTime: bootTime}, nil
 }
 
 // chainedBeforeBoot tells whether the plugin binary installed in binDir
