@@ -41,7 +41,7 @@ const (
 // only as HBONE, never with its payload in clear, whatever was down when
 // it sent; pods not enrolled are seen in clear (the capture works).
 func TestInPodNeverLeak(t *testing.T) {
-	b := newBedMode(t, newFolderCluster(t), true)
+	b := newBedWith(t, newFolderCluster(t), bedConfig{inPod: true})
 	na, nb := b.nodes[0], b.nodes[1]
 	r := nb.addPod("r", "app", true, false)
 	b.knows(na, nil, r, true)

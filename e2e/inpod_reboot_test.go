@@ -29,7 +29,7 @@ import (
 // redirection and the agent's listeners are in it, and enrolled pods talk
 // mTLS both ways again; nothing leaks.
 func TestInPodReboot(t *testing.T) {
-	b := newBedMode(t, newFolderCluster(t), true)
+	b := newBedWith(t, newFolderCluster(t), bedConfig{inPod: true})
 	na, nb := b.nodes[0], b.nodes[1]
 	r := nb.addPod("r", "app", true, false)
 	var pods []*bedPod

@@ -28,7 +28,7 @@ import (
 // restart keeps flows; a pod enrolled and unenrolled while running gains
 // and loses its redirection; a pod deleted by force keeps it.
 func TestInPodMTLS(t *testing.T) {
-	b := newBedMode(t, newFolderCluster(t), true)
+	b := newBedWith(t, newFolderCluster(t), bedConfig{inPod: true})
 	runInPodChecks(t, b)
 }
 

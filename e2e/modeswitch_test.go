@@ -31,7 +31,7 @@ const (
 // mTLS agent gone) until the new mode steers it, and then leaves; after
 // each switch its traffic is tunnelled, both ways.
 func TestModeSwitch(t *testing.T) {
-	b := newBedMode(t, newFolderCluster(t), true)
+	b := newBedWith(t, newFolderCluster(t), bedConfig{inPod: true})
 	na, nb := b.nodes[0], b.nodes[1]
 	a1, aplain := na.addPod("a1", "app", true, false), na.addPod("aplain", "app", false, false)
 	r := nb.addPod("r", "app", true, false)

@@ -47,6 +47,43 @@ func TestMTLS(t *testing.T) {
 	runChecks(t, b, nil)
 }
 
+// TestMTLSTunnel proves it in Cilium's tunnel routing mode (VXLAN, as
+// Cilium's default): pods' packets cross the uplinks only encapsulated and
+// HBONE from the other node arrives decapsulated on cilium_vxlan, where
+// each agent attaches node-ingress by itself (--tunnel-devices' default).
+// The underlay of the checks is node-a's tunnel device.
+func TestMTLSTunnel(t *testing.T) {
+	b := newBedWith(t, newFolderCluster(t), bedConfig{tunnel: netnstest.TunnelVXLAN})
+	p := startCheckPods(b)
+	b.knows(p.a1.node, p.a1, p.b1, true)
+	b.knows(p.b1.node, p.b1, p.a1, true)
+	for _, v6 := range []bool{false, true} {
+		for _, c := range []struct{ from, to *bedPod }{{p.a1, p.b1}, {p.b1, p.a1}} {
+			f := b.run(c.from, c.to, v6)
+			t.Log(f)
+			expectMTLS(t, f)
+		}
+		f := b.run(p.a1, p.bplain, v6)
+		t.Log(f)
+		expectPlain(t, f, true)
+		f = b.run(p.aplain, p.b1, v6)
+		t.Log(f)
+		expectPlain(t, f, false)
+	}
+	for _, n := range b.nodes {
+		b.eventually(n.name+" bypass check", func() error { return n.noBypass() })
+	}
+	podRanges := []netip.Prefix{netip.MustParsePrefix("10.1.0.0/24"), netip.MustParsePrefix("10.2.0.0/24"),
+		netip.MustParsePrefix("fd00:1::/64"), netip.MustParsePrefix("fd00:2::/64")}
+	for _, s := range b.uplink.Segments() {
+		for _, r := range podRanges {
+			if r.Contains(s.Src.Addr()) || r.Contains(s.Dst.Addr()) {
+				t.Fatalf("a pod's TCP on the uplink, not encapsulated: %s", s)
+			}
+		}
+	}
+}
+
 // pods of the checks.
 type checkPods struct {
 	a1, a2, aplain, a3 *bedPod // node-a: enrolled, enrolled, not, enrolled later

@@ -65,8 +65,10 @@ type bed struct {
 	caDir   string
 	cluster cluster
 	nodes   [2]*bedNode
-	// underlay records node-a's uplink: everything between the nodes.
-	underlay *netnstest.Capture
+	// underlay records node-a's uplink: everything between the nodes
+	// (in a tunnel routing mode: node-a's tunnel device, and uplink
+	// records the uplink).
+	underlay, uplink *netnstest.Capture
 }
 
 // bedNode is one node and what runs on it.
@@ -137,10 +139,21 @@ type proc struct {
 
 // newBed brings the testbed up: nodes, CA, cluster state, agents, proxy
 // pods through CNI, proxies ready, and a capture on the underlay.
-func newBed(t testing.TB, c cluster) *bed { return newBedMode(t, c, false) }
+func newBed(t testing.TB, c cluster) *bed { return newBedWith(t, c, bedConfig{}) }
 
-// newBedMode is newBed in the l2 or (inPod) the in-pod mode.
-func newBedMode(t testing.TB, c cluster, inPod bool) *bed {
+// bedConfig chooses how the testbed runs; the zero value is the l2 mode
+// with native routing.
+type bedConfig struct {
+	// inPod: the in-pod mode (bedNode.inPod).
+	inPod bool
+	// tunnel: Cilium's tunnel routing mode with this protocol. The
+	// underlay capture is then node-a's tunnel device (every pod's packet
+	// between the nodes, decapsulated); uplink records node-a's uplink.
+	tunnel netnstest.Tunnel
+}
+
+// newBedWith is newBed as cfg says.
+func newBedWith(t testing.TB, c cluster, cfg bedConfig) *bed {
 	netnstest.RequirePrivileged(t)
 	b := &bed{t: t, bin: cnitest.Binaries(t), cluster: c}
 	b.caDir = t.TempDir()
@@ -150,6 +163,9 @@ func newBedMode(t testing.TB, c cluster, inPod bool) *bed {
 	must(t, os.WriteFile(filepath.Join(b.caDir, identity.CAKeyFile), keyPEM, 0o600))
 
 	na, nb := netnstest.NewNodes(t)
+	if cfg.tunnel != "" {
+		na, nb = netnstest.NewTunnelNodes(t, cfg.tunnel)
+	}
 	bpf := netnstest.BPFRoot(t)
 	for i, ns := range []*netnstest.Node{na, nb} {
 		stateDir, err := os.MkdirTemp("", "mtlsb-") // short: UNIX socket paths
@@ -157,7 +173,7 @@ func newBedMode(t testing.TB, c cluster, inPod bool) *bed {
 		t.Cleanup(func() { os.RemoveAll(stateDir) })
 		n := &bedNode{bed: b, name: "node-" + string(rune('a'+i)), index: i + 1, ns: ns, stateDir: stateDir,
 			bpfRoot: filepath.Join(bpf, "node-"+string(rune('a'+i))), grpc: netip.AddrPortFrom(ns.Addr4, 15012).String(),
-			nextAddr: 20, zdsSocket: filepath.Join(stateDir+"-zds", "ztunnel.sock"), netnsDir: t.TempDir(), inPod: inPod}
+			nextAddr: 20, zdsSocket: filepath.Join(stateDir+"-zds", "ztunnel.sock"), netnsDir: t.TempDir(), inPod: cfg.inPod}
 		t.Cleanup(func() { os.RemoveAll(stateDir + "-zds") })
 		n.runtime = cnitest.NewRuntime(t, ns.NS, b.bin, func(sb cnitest.Sandbox) []byte {
 			return fmt.Appendf(nil, `{"cniVersion": "1.0.0", "name": "node", "plugins": [
@@ -197,6 +213,9 @@ func newBedMode(t testing.TB, c cluster, inPod bool) *bed {
 		n.waitProxyReady()
 	}
 	b.underlay = na.Capture(t, netnstest.UplinkName)
+	if cfg.tunnel != "" {
+		b.uplink, b.underlay = b.underlay, na.Capture(t, cfg.tunnel.Device())
+	}
 	return b
 }
 

@@ -3,6 +3,7 @@
 package netnstest
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -32,7 +33,9 @@ type Node struct {
 	*NS
 	Index int
 	// Uplink is the interface towards the other node (named UplinkName).
-	Uplink       netlink.Link
+	Uplink netlink.Link
+	// Tunnel is the node's tunnel device (NewTunnelNodes), or nil.
+	Tunnel       netlink.Link
 	Addr4, Addr6 netip.Addr
 	pods         int
 }
@@ -52,8 +55,40 @@ type Pod struct {
 }
 
 // NewNodes creates two nodes joined by a veth pair between their uplinks,
-// each routing the other's pod ranges over it.
-func NewNodes(t testing.TB) (*Node, *Node) {
+// each routing the other's pod ranges over it (Cilium's native routing).
+func NewNodes(t testing.TB) (*Node, *Node) { return newNodes(t, "") }
+
+// Tunnel is a protocol of Cilium's tunnel routing mode.
+type Tunnel string
+
+const (
+	TunnelVXLAN  Tunnel = "vxlan"
+	TunnelGeneve Tunnel = "geneve"
+)
+
+// Device is the name Cilium gives the tunnel's device.
+func (p Tunnel) Device() string { return "cilium_" + string(p) }
+
+// NewTunnelNodes is NewNodes in Cilium's tunnel routing mode: each node
+// routes the other's pod ranges through its tunnel device (Node.Tunnel),
+// so that pods' packets cross the uplinks only encapsulated, on Cilium's
+// UDP port for the protocol, and arrive decapsulated on the other node's
+// tunnel device. Cilium's devices carry the peer in each packet's
+// metadata (BPF sets it); these name their one peer instead.
+func NewTunnelNodes(t testing.TB, protocol Tunnel) (*Node, *Node) { return newNodes(t, protocol) }
+
+// Tunnel addresses: node i has 10.255.0.i/24 and fd00:fffe::i/64 on its
+// tunnel device, the next hop of the other node's pod ranges.
+func tunnelAddrs(index int) (netip.Addr, netip.Addr) {
+	return netip.MustParseAddr(fmt.Sprintf("10.255.0.%d", index)), netip.MustParseAddr(fmt.Sprintf("fd00:fffe::%d", index))
+}
+
+// tunnelOverhead is what encapsulation adds (outer IPv4, UDP, VXLAN or
+// Geneve without options, inner Ethernet): the uplinks get that much more
+// MTU, so that pods keep 1500.
+const tunnelOverhead = 50
+
+func newNodes(t testing.TB, tunnel Tunnel) (*Node, *Node) {
 	t.Helper()
 	a, b := newNode(t, 1), newNode(t, 2)
 	la := &netlink.Veth{
@@ -67,6 +102,9 @@ func NewNodes(t testing.TB) (*Node, *Node) {
 		l, err := h.LinkByName(UplinkName)
 		must(t, err)
 		n.Uplink = l
+		if tunnel != "" {
+			must(t, h.LinkSetMTU(l, 1500+tunnelOverhead))
+		}
 		must(t, h.LinkSetUp(l))
 	}
 	for _, n := range []*Node{a, b} {
@@ -77,17 +115,56 @@ func NewNodes(t testing.TB) (*Node, *Node) {
 	}
 	route := func(from, to *Node) {
 		h := from.Netlink(t)
+		via4, via6, dev := to.Addr4, to.Addr6, from.Uplink
+		if tunnel != "" {
+			via4, via6 = tunnelAddrs(to.Index)
+			dev = from.Tunnel
+		}
 		for _, r := range []struct {
 			dst string
 			gw  netip.Addr
-		}{{fmt.Sprintf("10.%d.0.0/24", to.Index), to.Addr4}, {fmt.Sprintf("fd00:%d::/64", to.Index), to.Addr6}} {
+		}{{fmt.Sprintf("10.%d.0.0/24", to.Index), via4}, {fmt.Sprintf("fd00:%d::/64", to.Index), via6}} {
 			_, dst, _ := net.ParseCIDR(r.dst)
-			must(t, h.RouteAdd(&netlink.Route{Dst: dst, Gw: r.gw.AsSlice(), LinkIndex: from.Uplink.Attrs().Index}))
+			must(t, h.RouteAdd(&netlink.Route{Dst: dst, Gw: r.gw.AsSlice(), LinkIndex: dev.Attrs().Index}))
 		}
+	}
+	if tunnel != "" {
+		addTunnel(t, a, b, tunnel)
+		addTunnel(t, b, a, tunnel)
 	}
 	route(a, b)
 	route(b, a)
 	return a, b
+}
+
+// addTunnel gives n its tunnel device towards peer, with n's tunnel
+// addresses.
+func addTunnel(t testing.TB, n, peer *Node, protocol Tunnel) {
+	t.Helper()
+	attrs := netlink.LinkAttrs{Name: protocol.Device(), MTU: 1500}
+	var l netlink.Link
+	switch protocol {
+	case TunnelVXLAN:
+		l = &netlink.Vxlan{LinkAttrs: attrs, VxlanId: 2, SrcAddr: n.Addr4.AsSlice(), Group: peer.Addr4.AsSlice(),
+			Port: 8472, VtepDevIndex: n.Uplink.Attrs().Index}
+	case TunnelGeneve:
+		l = &netlink.Geneve{LinkAttrs: attrs, ID: 2, Remote: peer.Addr4.AsSlice(), Dport: 6081}
+	default:
+		t.Fatalf("tunnel protocol %q: want %q or %q", protocol, TunnelVXLAN, TunnelGeneve)
+	}
+	h := n.Netlink(t)
+	if err := h.LinkAdd(l); errors.Is(err, unix.EOPNOTSUPP) {
+		t.Skipf("add %s: %v: this kernel has no %s devices", attrs.Name, err, protocol)
+	} else {
+		must(t, wrap(err, "add %s", attrs.Name))
+	}
+	l, err := h.LinkByName(attrs.Name)
+	must(t, err)
+	must(t, h.LinkSetUp(l)) // its operational state stays unknown
+	n.Tunnel = l
+	addr4, addr6 := tunnelAddrs(n.Index)
+	addAddr(t, n.NS, h, l, addr4, 24)
+	addAddr(t, n.NS, h, l, addr6, 64)
 }
 
 func newNode(t testing.TB, index int) *Node {

@@ -206,7 +206,13 @@ func (d *derivation) pass(scan Scan, scanErr error, left map[netip.Addr]*Attachm
 		}
 		return nil
 	}
-	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj, attached)
+	// Where the scan could not list the node's links, the devices this
+	// agent's links are on.
+	var linked map[string]int
+	if scanErr != nil && len(scan.Devices) == 0 {
+		linked, _ = d.Datapath.Attached()
+	}
+	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj, attached, linked)
 	previous := statedb.Collect(d.Redirects.All(wtxn))
 	for addr, a := range left {
 		// The pod is unknown: the map names none.
@@ -280,7 +286,8 @@ type desiredRows struct {
 //   - Every other local pod and the node's addresses get local entries:
 //     traffic to them is same-node and never steered.
 //   - The node's mTLS agent gets the agent entry.
-//   - Each uplink in --devices gets the node-ingress program.
+//   - Each uplink in --devices, and each of Cilium's tunnel devices
+//     (--tunnel-devices) that exists, gets the node-ingress program.
 //
 // A pod whose interface is not found keeps what it has: its entries (the
 // reconciler leaves the map as it is for rows with a problem) and its
@@ -288,7 +295,7 @@ type desiredRows struct {
 // unsteer a running pod.
 func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 	enrolled map[string]*enrollment.Enrollment, node *tables.Node,
-	attached func(pod *tables.Pod) []*Attachment) desiredRows {
+	attached func(pod *tables.Pod) []*Attachment, linked map[string]int) desiredRows {
 	out := desiredRows{redirects: map[netip.Addr]*Redirect{}, attachments: map[string]*Attachment{}}
 	add := func(r *Redirect) {
 		if old, ok := out.redirects[r.Addr]; ok && !preferred(r, old) {
@@ -341,6 +348,23 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 			a.Ifindex = idx
 		} else {
 			a.Problem = fmt.Sprintf("--devices %s: %v", dev, ErrNoDevice)
+		}
+		out.attachments[dev] = a
+	}
+	for _, dev := range cfg.TunnelDevices {
+		if out.attachments[dev] != nil {
+			continue // an uplink too
+		}
+		a := &Attachment{Device: dev, Hook: bpf.HookNodeIngress}
+		if idx, ok := scan.Devices[dev]; ok {
+			a.Ifindex = idx
+		} else if idx, ok := linked[dev]; ok {
+			// The scan listed no links: the program stays (a row with a
+			// problem leaves the kernel as it is, and keeps the link
+			// from being pruned).
+			a.Ifindex, a.Problem = idx, fmt.Sprintf("--tunnel-devices %s: links not listed, kept as attached", dev)
+		} else {
+			continue // not in tunnel routing, or not this protocol
 		}
 		out.attachments[dev] = a
 	}
