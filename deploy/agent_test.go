@@ -236,7 +236,7 @@ type agentRun struct {
 // ($(HOST_IP) is the node's loopback, where the test reaches it), with the
 // capabilities its securityContext adds and no others, in the node's
 // namespace. Only paths and the check interval differ from a cluster's:
-// the test's folders, its bpffs folder and uplink.
+// the test's folders and its bpffs folder.
 func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []string) *agentRun {
 	t.Helper()
 	args := []string{filepath.Join(c.bin, "mtlsbridge")}
@@ -246,7 +246,6 @@ func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []s
 		"--ca-dir":       c.caDir,
 		"--cni-conf-dir": cniConf,
 		"--cni-bin-dir":  cniBin,
-		"--devices":      netnstest.UplinkName,
 	}
 	for _, a := range c.sidecar.Args {
 		name, _, _ := strings.Cut(a, "=")

@@ -73,7 +73,8 @@ type Config struct {
 	// (flag --bpf-root). Only root may write there.
 	BPFRoot string
 	// Devices are the node's uplinks: HBONE from other nodes arrives there
-	// (flag --devices).
+	// in native routing (flag --devices; NAME+ stands for every device
+	// NAME prefixes). Empty: the devices that look like uplinks.
 	Devices []string
 	// TunnelDevices are Cilium's tunnel devices: in its tunnel routing
 	// mode, HBONE from other nodes arrives on them, decapsulated. Each
@@ -94,7 +95,7 @@ var defaultConfig = Config{
 func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Bool("enable-redirect", def.EnableRedirect, "Steer enrolled pods' TCP to the node's mTLS agent with BPF")
 	flags.String("bpf-root", def.BPFRoot, "Folder on bpffs for the agent's pinned map and links (created writable by root only)")
-	flags.StringSlice("devices", def.Devices, "Uplink devices of the node, where HBONE (port 15008) from other nodes arrives")
+	flags.StringSlice("devices", def.Devices, "Uplink devices of the node, where HBONE (port 15008) from other nodes arrives in native routing (NAME+: every device NAME prefixes); empty: found as Cilium finds its devices")
 	flags.StringSlice("tunnel-devices", def.TunnelDevices, "Cilium's tunnel devices, where HBONE from other nodes arrives decapsulated in its tunnel routing mode; each that exists gets the node-ingress program")
 	flags.String("node-netns", def.NodeNetns, "Network namespace (path) of the node's devices; empty: the agent's own")
 }

@@ -286,8 +286,8 @@ type desiredRows struct {
 //   - Every other local pod and the node's addresses get local entries:
 //     traffic to them is same-node and never steered.
 //   - The node's mTLS agent gets the agent entry.
-//   - Each uplink in --devices, and each of Cilium's tunnel devices
-//     (--tunnel-devices) that exists, gets the node-ingress program.
+//   - Each uplink (--devices, or those found) and each of Cilium's tunnel
+//     devices that exists gets the node-ingress program (nodeIngress).
 //
 // A pod whose interface is not found keeps what it has: its entries (the
 // reconciler leaves the map as it is for rows with a problem) and its
@@ -342,31 +342,10 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 		add(&Redirect{Addr: ip, Kind: bpf.KindLocal, NetnsID: bpf.NoNetns})
 	}
 	out.redirects[bpf.AgentKey] = agentRow(scan, scanErr, agents)
-	for _, dev := range cfg.Devices {
-		a := &Attachment{Device: dev, Hook: bpf.HookNodeIngress}
-		if idx, ok := scan.Devices[dev]; ok {
-			a.Ifindex = idx
-		} else {
-			a.Problem = fmt.Sprintf("--devices %s: %v", dev, ErrNoDevice)
+	for _, a := range nodeIngress(cfg, scan, linked) {
+		if out.attachments[a.Device] == nil {
+			out.attachments[a.Device] = a
 		}
-		out.attachments[dev] = a
-	}
-	for _, dev := range cfg.TunnelDevices {
-		if out.attachments[dev] != nil {
-			continue // an uplink too
-		}
-		a := &Attachment{Device: dev, Hook: bpf.HookNodeIngress}
-		if idx, ok := scan.Devices[dev]; ok {
-			a.Ifindex = idx
-		} else if idx, ok := linked[dev]; ok {
-			// The scan listed no links: the program stays (a row with a
-			// problem leaves the kernel as it is, and keeps the link
-			// from being pruned).
-			a.Ifindex, a.Problem = idx, fmt.Sprintf("--tunnel-devices %s: links not listed, kept as attached", dev)
-		} else {
-			continue // not in tunnel routing, or not this protocol
-		}
-		out.attachments[dev] = a
 	}
 	return out
 }

@@ -39,6 +39,9 @@ type Scan struct {
 	Pods map[netip.Addr]PodInterface
 	// Devices maps every interface name of the node to its index.
 	Devices map[string]int
+	// Uplinks are the devices that look like the node's uplinks (see
+	// isUplink): node-ingress goes there when --devices is not given.
+	Uplinks []string
 	// Local are the node's own global addresses (uplinks, cilium_host,
 	// ...): traffic to them is same-node.
 	Local []netip.Addr
@@ -211,11 +214,20 @@ func scanOnce() (Scan, error) {
 	if err != nil {
 		return s, fmt.Errorf("list addresses: %w", err)
 	}
+	global := map[int]bool{} // links with a global address
 	for _, a := range own {
 		if addr, ok := netip.AddrFromSlice(a.IP); ok && a.Scope == unix.RT_SCOPE_UNIVERSE {
 			s.Local = append(s.Local, addr.Unmap())
+			// IPv4 link-local addresses have the global scope unless set
+			// otherwise; they make no uplink.
+			global[a.LinkIndex] = global[a.LinkIndex] || addr.Unmap().IsGlobalUnicast()
 		}
 	}
+	uplinks, err := findUplinks(links, global)
+	if err != nil {
+		return s, err
+	}
+	s.Uplinks = uplinks
 	sock, err := nl.GetNetlinkSocketAt(netns.None(), netns.None(), unix.NETLINK_ROUTE)
 	if err != nil {
 		return s, err

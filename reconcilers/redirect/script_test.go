@@ -8,6 +8,7 @@ import (
 	"maps"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -72,6 +73,7 @@ type fakeKernel struct {
 	attached map[string]bpf.Hook
 	pods     map[netip.Addr]redirect.PodInterface
 	devices  map[string]int
+	uplinks  []string // devices that look like uplinks
 	changed  chan struct{}
 	broken   error
 	scanErr  error // every Scan fails
@@ -151,7 +153,7 @@ func (k *fakeKernel) Scan() (redirect.Scan, error) {
 		// As netlink's LinkList when a dump is interrupted for good.
 		return redirect.Scan{Pods: map[netip.Addr]redirect.PodInterface{}, Devices: map[string]int{}}, k.scanErr
 	}
-	return redirect.Scan{Pods: maps.Clone(k.pods), Devices: maps.Clone(k.devices)}, nil
+	return redirect.Scan{Pods: maps.Clone(k.pods), Devices: maps.Clone(k.devices), Uplinks: slices.Clone(k.uplinks)}, nil
 }
 
 func (k *fakeKernel) Changed() <-chan struct{} {
@@ -201,16 +203,21 @@ func (k *fakeKernel) commands() map[string]script.Cmd {
 				return nil, nil
 			}),
 		"kernel/device": script.Command(
-			script.CmdUsage{Summary: "add a device NAME with INDEX", Args: "name index"},
+			script.CmdUsage{Summary: "add a device NAME with INDEX; uplink: it looks like an uplink", Args: "name index [uplink]"},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				if len(args) != 2 {
+				if len(args) != 2 && (len(args) != 3 || args[2] != "uplink") {
 					return nil, script.ErrUsage
 				}
 				index, err := strconv.Atoi(args[1])
 				if err != nil {
 					return nil, err
 				}
-				k.change(func() { k.devices[args[0]] = index })
+				k.change(func() {
+					k.devices[args[0]] = index
+					if len(args) == 3 {
+						k.uplinks = append(k.uplinks, args[0])
+					}
+				})
 				return nil, nil
 			}),
 		"kernel/del": script.Command(
@@ -221,6 +228,7 @@ func (k *fakeKernel) commands() map[string]script.Cmd {
 				}
 				k.change(func() {
 					delete(k.devices, args[0])
+					k.uplinks = slices.DeleteFunc(k.uplinks, func(name string) bool { return name == args[0] })
 					maps.DeleteFunc(k.pods, func(_ netip.Addr, i redirect.PodInterface) bool { return i.Name == args[0] })
 				})
 				return nil, nil
