@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -211,4 +212,68 @@ func TestShellReadsOnly(t *testing.T) {
 			t.Errorf("the shell ran %q", line)
 		}
 	}
+}
+
+// --prometheus-serve-addr and --health-serve-addr serve /metrics and
+// /healthz over TCP, each alone: nothing else of the API is reachable
+// there. A port already taken is retried until it is free.
+func TestServeTCP(t *testing.T) {
+	metricsAddr, healthAddr := freeLoopbackAddr(t), freeLoopbackAddr(t)
+	taken, err := net.Listen("tcp", healthAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := startAPI(t, "--prometheus-serve-addr="+metricsAddr, "--health-serve-addr="+healthAddr)
+	get := func(addr, path string) (int, string) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			resp, err := http.Get("http://" + addr + path)
+			if err == nil {
+				defer resp.Body.Close()
+				b, _ := io.ReadAll(resp.Body)
+				return resp.StatusCode, string(b)
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("GET %s%s: %v", addr, path, err)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	if code, body := get(metricsAddr, "/metrics"); code != http.StatusOK || !strings.Contains(body, "process_resident_memory_bytes") {
+		t.Errorf("metrics over TCP: %d %.80q", code, body)
+	}
+	for _, path := range []string{"/healthz", api.StatedbPrefix + "/dump", "/v1/hello"} {
+		if code, _ := get(metricsAddr, path); code != http.StatusNotFound {
+			t.Errorf("GET %s on the metrics address: %d, want 404", path, code)
+		}
+	}
+
+	// The health address was taken at start: it is served once freed.
+	taken.Close()
+	if code, body := get(healthAddr, "/healthz"); code != http.StatusServiceUnavailable || !strings.Contains(body, `"namespaces"`) {
+		t.Errorf("health over TCP before initialization: %d %s", code, body)
+	}
+	txn := a.db.WriteTxn(a.namespaces)
+	a.initDone(txn)
+	txn.Commit()
+	if code, body := get(healthAddr, "/healthz"); code != http.StatusOK {
+		t.Errorf("health over TCP once ready: %d %s", code, body)
+	}
+	for _, path := range []string{"/metrics", api.StatedbPrefix + "/dump", "/v1/hello"} {
+		if code, _ := get(healthAddr, path); code != http.StatusNotFound {
+			t.Errorf("GET %s on the health address: %d, want 404", path, code)
+		}
+	}
+}
+
+// freeLoopbackAddr returns an address on the loopback that was free a
+// moment ago.
+func freeLoopbackAddr(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
 }

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/pprof"
 	"time"
@@ -41,12 +42,14 @@ type serverParams struct {
 const StatedbPrefix = "/statedb"
 
 func registerServer(p serverParams) {
-	mux := http.NewServeMux()
-	mux.Handle(StatedbPrefix+"/", http.StripPrefix(StatedbPrefix, p.DB.HTTPHandler()))
-	mux.Handle("GET /metrics", promhttp.HandlerFor(p.Metrics, promhttp.HandlerOpts{}))
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+	metrics := promhttp.HandlerFor(p.Metrics, promhttp.HandlerOpts{})
+	healthz := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		writeHealth(w, health(p.DB, p.Checks))
 	})
+	mux := http.NewServeMux()
+	mux.Handle(StatedbPrefix+"/", http.StripPrefix(StatedbPrefix, p.DB.HTTPHandler()))
+	mux.Handle("GET /metrics", metrics)
+	mux.Handle("GET /healthz", healthz)
 	for _, h := range p.Handlers {
 		mux.Handle(h.Pattern, h.Handler)
 	}
@@ -59,7 +62,21 @@ func registerServer(p serverParams) {
 	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	sock := p.Dir.Path(client.APISocket)
-	p.Jobs.NewGroup(p.Health).Add(job.OneShot("serve", func(ctx context.Context, health cell.Health) error {
+	jobs := p.Jobs.NewGroup(p.Health)
+	// Over TCP, one route each: the tables and the other routes stay on
+	// the private socket.
+	for _, s := range []struct {
+		job, addr, pattern string
+		handler            http.Handler
+	}{
+		{"serve-metrics", p.Config.PrometheusServeAddr, "GET /metrics", metrics},
+		{"serve-health", p.Config.HealthServeAddr, "GET /healthz", healthz},
+	} {
+		if s.addr != "" {
+			jobs.Add(serveTCP(p.Log, s.job, s.addr, s.pattern, s.handler))
+		}
+	}
+	jobs.Add(job.OneShot("serve", func(ctx context.Context, health cell.Health) error {
 		// Only the agent's user may talk to the agent: the socket is
 		// 0600 in a 0700 folder from its first moment.
 		l, err := statedir.ListenUnix(sock)
@@ -69,15 +86,38 @@ func registerServer(p serverParams) {
 		defer statedir.CloseUnix(l, sock)
 		p.Log.Info("Serving the local API", "socket", sock)
 		health.OK("serving on " + sock)
-		go func() {
-			<-ctx.Done()
-			srv.Close()
-		}()
-		if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
-			return err
-		}
-		return nil
+		return serveUntil(ctx, srv, l)
 	}))
+}
+
+// serveTCP serves one route on a TCP address. An address that cannot be
+// listened on (a port taken) is retried, with the job's health degraded.
+func serveTCP(log *slog.Logger, name, addr, pattern string, h http.Handler) job.Job {
+	mux := http.NewServeMux()
+	mux.Handle(pattern, h)
+	return job.OneShot(name, func(ctx context.Context, health cell.Health) error {
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			return fmt.Errorf("listen on %s: %w", addr, err)
+		}
+		// Reachable from the network: bounded headers and idle time.
+		srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: time.Minute, MaxHeaderBytes: 16 << 10}
+		log.Info("Serving over TCP", "route", pattern, "address", l.Addr())
+		health.OK(fmt.Sprintf("serving %s on %s", pattern, l.Addr()))
+		return serveUntil(ctx, srv, l)
+	}, job.WithRetry(-1, &job.ExponentialBackoff{Min: time.Second, Max: 30 * time.Second}))
+}
+
+// serveUntil serves on l until ctx ends.
+func serveUntil(ctx context.Context, srv *http.Server, l net.Listener) error {
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
 }
 
 // Health is the answer of /healthz.

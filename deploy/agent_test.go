@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
+	"io"
 	"net"
 	"net/url"
 	"os"
@@ -301,16 +302,32 @@ func (r *agentRun) logText() string {
 	return string(b)
 }
 
-// probe runs one of the sidecar's exec probes against this run.
-func (r *agentRun) probe(p *corev1.Probe, bin string) error {
+// probe runs one of the sidecar's probes against this run: an httpGet
+// from the node's namespace, as the kubelet of a host-network pod, or an
+// exec.
+func (c *cluster) probe(r *agentRun, p *corev1.Probe) error {
+	timeout := time.Duration(p.TimeoutSeconds) * time.Second
+	if get := p.HTTPGet; get != nil {
+		target := fmt.Sprintf("http://%s%s", net.JoinHostPort(get.Host, get.Port.String()), get.Path)
+		resp, err := c.node.HTTPClient(timeout).Get(target)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode < 200 || resp.StatusCode >= 400 {
+			return fmt.Errorf("GET %s: %s\n%s", target, resp.Status, body)
+		}
+		return nil
+	}
 	argv := slices.Clone(p.Exec.Command)
-	argv[0] = filepath.Join(bin, "mtlsbridge")
+	argv[0] = filepath.Join(c.bin, "mtlsbridge")
 	for i, a := range argv {
 		if strings.HasPrefix(a, "--state-dir=") {
 			argv[i] = "--state-dir=" + r.stateDir
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(p.TimeoutSeconds)*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, argv[0], argv[1:]...).CombinedOutput()
 	if err != nil {
@@ -513,8 +530,22 @@ func TestAgentLeastPrivilege(t *testing.T) {
 	})
 
 	// Ready, as the kubelet would see it through the readiness probe.
-	waitFor(t, r, "the readiness probe", func() error { return r.probe(c.sidecar.ReadinessProbe, c.bin) })
-	must(t, r.probe(c.sidecar.LivenessProbe, c.bin))
+	waitFor(t, r, "the readiness probe", func() error { return c.probe(r, c.sidecar.ReadinessProbe) })
+	must(t, c.probe(r, c.sidecar.LivenessProbe))
+	// Prometheus scrapes the node's address where --prometheus-serve-addr says.
+	fs := agentFlags(t, c.sidecar, map[string]string{"HOST_IP": "127.0.0.1"})
+	_, port, err := net.SplitHostPort(flagString(t, fs, "prometheus-serve-addr"))
+	must(t, err)
+	metricsURL := "http://" + net.JoinHostPort(c.node.Addr4.String(), port) + "/metrics"
+	if resp, err := c.node.HTTPClient(5 * time.Second).Get(metricsURL); err != nil {
+		t.Errorf("scraping %s: %v", metricsURL, err)
+	} else {
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !bytes.Contains(body, []byte("mtlsbridge_")) {
+			t.Errorf("scraping %s: %s, %.200q", metricsURL, resp.Status, body)
+		}
+	}
 
 	// Enrolled by the policy, with the identity from its CiliumEndpoint.
 	out, err := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "db", "show", "enrollments", "-o", "json", "--state-dir="+r.stateDir).CombinedOutput()
@@ -707,7 +738,7 @@ func healthSays(t *testing.T, c *cluster, r *agentRun, parts ...string) {
 func neverReady(t *testing.T, c *cluster, r *agentRun) {
 	t.Helper()
 	for range 2 {
-		if err := r.probe(c.sidecar.ReadinessProbe, c.bin); err == nil {
+		if err := c.probe(r, c.sidecar.ReadinessProbe); err == nil {
 			out, _ := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "health", "--state-dir="+r.stateDir).CombinedOutput()
 			t.Errorf("the agent reports ready:\n%s", out)
 			return

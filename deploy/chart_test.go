@@ -4,11 +4,15 @@ package deploy_test
 
 import (
 	"encoding/json"
+	"fmt"
+	"net"
+	"net/netip"
 	"os"
 	"path"
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -20,6 +24,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
+	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
@@ -139,11 +144,33 @@ func TestCiliumChartRendersSidecar(t *testing.T) {
 		t.Error("the sidecar's root file system is writable")
 	}
 
-	// Probes the kubelet can run: the image's binary (no shell, and
-	// /healthz is on a UNIX socket, out of httpGet's reach).
-	for name, p := range map[string]*corev1.Probe{"readiness": c.ReadinessProbe, "liveness": c.LivenessProbe} {
-		if p == nil || p.Exec == nil || len(p.Exec.Command) == 0 || p.Exec.Command[0] != "/usr/local/bin/mtlsbridge" {
-			t.Errorf("%s probe: want an exec of /usr/local/bin/mtlsbridge, got %+v", name, p)
+	// Probes the kubelet can run: readiness gets /healthz where
+	// --health-serve-addr serves it, on the loopback (the pod is on the
+	// host's network); liveness runs the image's binary (no shell).
+	healthAddr := flagString(t, fs, "health-serve-addr")
+	if rp := c.ReadinessProbe; rp == nil || rp.HTTPGet == nil || rp.HTTPGet.Path != "/healthz" ||
+		net.JoinHostPort(rp.HTTPGet.Host, rp.HTTPGet.Port.String()) != healthAddr || !netip.MustParseAddrPort(healthAddr).Addr().IsLoopback() {
+		t.Errorf("readiness probe: want an httpGet of /healthz at --health-serve-addr=%s on the loopback, got %+v", healthAddr, rp)
+	}
+	if lp := c.LivenessProbe; lp == nil || lp.Exec == nil || len(lp.Exec.Command) == 0 || lp.Exec.Command[0] != "/usr/local/bin/mtlsbridge" {
+		t.Errorf("liveness probe: want an exec of /usr/local/bin/mtlsbridge, got %+v", lp)
+	}
+	// Every container port is a node port: the agent's TCP listeners take
+	// none that Cilium's chart uses by default, or another container of
+	// the pod declares.
+	taken := ciliumChartPorts(t)
+	for _, other := range slices.Concat(pod.InitContainers, pod.Containers) {
+		for _, port := range other.Ports {
+			taken[int(port.ContainerPort)] = other.Name + " container port " + port.Name
+		}
+	}
+	for _, flag := range []string{"health-serve-addr", "prometheus-serve-addr"} {
+		_, port, err := net.SplitHostPort(flagString(t, fs, flag))
+		must(t, err)
+		n, err := strconv.Atoi(port)
+		must(t, err)
+		if what, ok := taken[n]; ok {
+			t.Errorf("--%s uses port %d, which Cilium's %s takes", flag, n, what)
 		}
 	}
 
@@ -216,4 +243,38 @@ func TestCNIConfigMapMatchesAgentFlags(t *testing.T) {
 		after, _ := os.ReadFile(file)
 		t.Errorf("the agent's installer would rewrite the ConfigMap's conflist:\nConfigMap:\n%s\ninstaller:\n%s", conflist, after)
 	}
+}
+
+// ciliumChartPorts collects the ports Cilium's chart names in its default
+// values (every number under a key "port" or "...Port"), with their keys.
+func ciliumChartPorts(t *testing.T) map[int]string {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(kubetest.CiliumChart(t), "values.yaml"))
+	must(t, err)
+	var values map[string]any
+	must(t, yaml.Unmarshal(data, &values))
+	ports := map[int]string{}
+	var walk func(path string, v any)
+	walk = func(path string, v any) {
+		switch v := v.(type) {
+		case map[string]any:
+			for k, child := range v {
+				key := path + "." + k
+				if n, ok := child.(float64); ok && (k == "port" || strings.HasSuffix(k, "Port")) && n > 0 {
+					ports[int(n)] = "value " + key[1:]
+					continue
+				}
+				walk(key, child)
+			}
+		case []any:
+			for i, child := range v {
+				walk(fmt.Sprintf("%s[%d]", path, i), child)
+			}
+		}
+	}
+	walk("", values)
+	if len(ports) < 10 {
+		t.Fatalf("found %d ports in Cilium's values.yaml, want its many: %v", len(ports), ports)
+	}
+	return ports
 }

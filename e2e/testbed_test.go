@@ -365,21 +365,12 @@ func (n *bedNode) waitAgent() {
 }
 
 // get fetches a URL from inside the node's namespace.
-func (n *bedNode) get(url string) (int, []byte, error) { return getFrom(n.ns, url) }
+func (n *bedNode) get(url string) (int, []byte, error) { return getFrom(n.ns.NS, url) }
 
 // getFrom fetches url over a connection made from inside ns (a proxy's
 // admin port listens on its pod's loopback only).
-func getFrom(ns interface{ Do(func() error) error }, url string) (int, []byte, error) {
-	client := http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
-		DialContext: func(ctx context.Context, network, addr string) (c net.Conn, err error) {
-			err = ns.Do(func() error {
-				var d net.Dialer
-				c, err = d.DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
-	}}
+func getFrom(ns *netnstest.NS, url string) (int, []byte, error) {
+	client := ns.HTTPClient(2 * time.Second)
 	resp, err := client.Get(url)
 	if err != nil {
 		return 0, nil, err

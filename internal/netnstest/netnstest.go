@@ -12,13 +12,17 @@
 package netnstest
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"runtime"
 	"testing"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -106,6 +110,21 @@ func (ns *NS) Pin(t testing.TB, path string) {
 // Do runs fn on an OS thread switched into the namespace. Sockets fn opens
 // belong to the namespace and may be used from any goroutine afterwards.
 func (ns *NS) Do(fn func() error) error { return nsthread.Do(ns.Handle, fn) }
+
+// HTTPClient returns a client whose connections are opened from inside the
+// namespace (its loopback, addresses only it reaches).
+func (ns *NS) HTTPClient(timeout time.Duration) *http.Client {
+	return &http.Client{Timeout: timeout, Transport: &http.Transport{
+		DialContext: func(ctx context.Context, network, addr string) (c net.Conn, err error) {
+			err = ns.Do(func() error {
+				var d net.Dialer
+				c, err = d.DialContext(ctx, network, addr)
+				return err
+			})
+			return c, err
+		},
+	}}
+}
 
 // Sysctl writes a value under /proc/sys/net of the namespace, e.g.
 // Sysctl("ipv4/ip_forward", "1").
