@@ -14,6 +14,15 @@ const NamespacesTableName = "namespaces"
 type Namespace struct {
 	Name   string `json:"name"`
 	Labels Labels `json:"labels,omitzero"`
+	// SourceIPDelegated: the namespace lets its pods turn off Cilium's
+	// source IP verification (DelegateSourceIPVerificationAnnotation).
+	SourceIPDelegated bool `json:"sourceIPDelegated,omitempty"`
+}
+
+// NewNamespace keeps what mtlsbridge uses of a namespace.
+func NewNamespace(name string, labels, annotations map[string]string) *Namespace {
+	return &Namespace{Name: name, Labels: NewLabels(labels),
+		SourceIPDelegated: AnnotationTrue(annotations, DelegateSourceIPVerificationAnnotation)}
 }
 
 func (n *Namespace) TableHeader() []string { return []string{"Name", "Labels"} }

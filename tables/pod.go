@@ -33,6 +33,10 @@ type Pod struct {
 	// Next to the other bool, and Identity next to both: the row fits a
 	// smaller size class (144 B, not 160).
 	RedirectReady bool `json:"redirectReady,omitempty"`
+	// SourceIPUnverified: the pod asks Cilium not to check the source of
+	// what it sends (annotation DisableSourceIPVerification true), which
+	// Cilium grants where the pod's namespace delegates it.
+	SourceIPUnverified bool `json:"sourceIPUnverified,omitempty"`
 	// Identity is the numeric Cilium security identity, from the pod's
 	// CiliumEndpoint; 0 while Cilium has not allocated one (or the
 	// endpoint is not seen yet). A column of the pod's row rather than a
@@ -49,6 +53,21 @@ const (
 	RedirectAnnotation = "mtlsbridge.io/redirect"
 	RedirectReadyValue = "ready"
 )
+
+// Cilium's annotations of source IP verification (v1.20): a namespace
+// delegates the choice to its pods, and a pod so allowed may turn off the
+// check that what it sends carries its own address. True is what
+// strconv.ParseBool takes for true, spaces trimmed, as Cilium reads them.
+const (
+	DelegateSourceIPVerificationAnnotation = "config.cilium.io/delegate-source-ip-verification"
+	DisableSourceIPVerificationAnnotation  = "config.cilium.io/disable-source-ip-verification"
+)
+
+// AnnotationTrue reads a boolean annotation as Cilium does.
+func AnnotationTrue(annotations map[string]string, key string) bool {
+	b, err := strconv.ParseBool(strings.TrimSpace(annotations[key]))
+	return err == nil && b
+}
 
 // Key is the primary key: "namespace/name".
 func (p *Pod) Key() string { return p.Namespace + "/" + p.Name }

@@ -29,22 +29,11 @@ var ErrServicesUnsteered = errors.New("connections of enrolled pods to Service a
 // Cilium v1.20 turns socket LB on with kube-proxy-replacement, or alone
 // with bpf-lb-sock; bpf-lb-sock-hostns-only keeps it out of pods.
 func ServicesAtSocket(dir string) error {
-	read := func(key string) (string, error) {
-		b, err := os.ReadFile(filepath.Join(dir, key))
-		if errors.Is(err, os.ErrNotExist) {
-			return "", nil
-		}
-		return strings.TrimSpace(string(b)), err
+	settings, err := CiliumSettings(dir, "kube-proxy-replacement", "bpf-lb-sock", "bpf-lb-sock-hostns-only")
+	if err != nil {
+		return err
 	}
-	if _, err := os.Stat(dir); err != nil {
-		return fmt.Errorf("--cilium-config-dir=%s: %w", dir, err)
-	}
-	kpr, err1 := read("kube-proxy-replacement")
-	sock, err2 := read("bpf-lb-sock")
-	hostnsOnly, err3 := read("bpf-lb-sock-hostns-only")
-	if err := errors.Join(err1, err2, err3); err != nil {
-		return fmt.Errorf("--cilium-config-dir=%s: %w", dir, err)
-	}
+	kpr, sock, hostnsOnly := settings[0], settings[1], settings[2]
 	switch {
 	case kpr != "true" && sock != "true":
 		return fmt.Errorf("%w: Cilium's socket LB is off (kube-proxy-replacement=%q, bpf-lb-sock=%q; Helm kubeProxyReplacement or socketLB.enabled)",
@@ -54,6 +43,28 @@ func ServicesAtSocket(dir string) error {
 			ErrServicesUnsteered)
 	}
 	return nil
+}
+
+// CiliumSettings reads keys of Cilium's effective configuration (the
+// folder Cilium's agent reads it from, one file per key), spaces trimmed;
+// a key without a file is "" (Cilium's default).
+func CiliumSettings(dir string, keys ...string) ([]string, error) {
+	if _, err := os.Stat(dir); err != nil {
+		return nil, fmt.Errorf("--cilium-config-dir=%s: %w", dir, err)
+	}
+	values := make([]string, len(keys))
+	var errs []error
+	for i, key := range keys {
+		b, err := os.ReadFile(filepath.Join(dir, key))
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+		values[i] = strings.TrimSpace(string(b))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, fmt.Errorf("--cilium-config-dir=%s: %w", dir, err)
+	}
+	return values, nil
 }
 
 // checkServices makes the check a readiness warning, /healthz shows it,

@@ -53,7 +53,7 @@ func decode(u *unstructured.Unstructured) (any, error) {
 		pod.Namespace = namespace
 		return podFromK8s(&pod)
 	case namespaceGVK:
-		return &tables.Namespace{Name: u.GetName(), Labels: tables.NewLabels(u.GetLabels())}, nil
+		return tables.NewNamespace(u.GetName(), u.GetLabels(), u.GetAnnotations()), nil
 	case nodeGVK:
 		var node corev1.Node
 		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &node); err != nil {
@@ -79,15 +79,16 @@ func decode(u *unstructured.Unstructured) (any, error) {
 // gives every pod copies of its own, tens of bytes each at 100,000 pods.
 func podFromK8s(p *corev1.Pod) (*tables.Pod, error) {
 	pod := &tables.Pod{
-		Namespace:      intern(p.Namespace),
-		Name:           p.Name,
-		UID:            string(p.UID),
-		NodeName:       intern(p.Spec.NodeName),
-		ServiceAccount: intern(p.Spec.ServiceAccountName),
-		Labels:         tables.NewLabels(p.Labels).Interned(),
-		HostNetwork:    p.Spec.HostNetwork,
-		Phase:          intern(string(p.Status.Phase)),
-		RedirectReady:  p.Annotations[tables.RedirectAnnotation] == tables.RedirectReadyValue,
+		Namespace:          intern(p.Namespace),
+		Name:               p.Name,
+		UID:                string(p.UID),
+		NodeName:           intern(p.Spec.NodeName),
+		ServiceAccount:     intern(p.Spec.ServiceAccountName),
+		Labels:             tables.NewLabels(p.Labels).Interned(),
+		HostNetwork:        p.Spec.HostNetwork,
+		Phase:              intern(string(p.Status.Phase)),
+		RedirectReady:      p.Annotations[tables.RedirectAnnotation] == tables.RedirectReadyValue,
+		SourceIPUnverified: tables.AnnotationTrue(p.Annotations, tables.DisableSourceIPVerificationAnnotation),
 	}
 	var errs []error
 	addIP := func(s string) {

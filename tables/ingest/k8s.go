@@ -228,7 +228,7 @@ func k8sJobs(log *slog.Logger, c *Clients, w *writeTables) []job.Job {
 		newReflection(log, w, "namespaces", typed("namespaces"), c.Kube, &corev1.Namespace{},
 			func(obj any) (*tables.Namespace, error) {
 				ns := obj.(*corev1.Namespace)
-				return &tables.Namespace{Name: ns.Name, Labels: tables.NewLabels(ns.Labels)}, nil
+				return tables.NewNamespace(ns.Name, ns.Labels, ns.Annotations), nil
 			}, tableSink[*tables.Namespace]{tbl: w.Namespaces}),
 		newReflection(log, w, "nodes", typed("nodes"), c.Kube, &corev1.Node{},
 			func(obj any) (*tables.Node, error) { return nodeFromK8s(obj.(*corev1.Node)), nil }, tableSink[*tables.Node]{tbl: w.Nodes}),
