@@ -27,6 +27,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
@@ -122,7 +123,10 @@ func newCluster(t *testing.T) *cluster {
 	c := &cluster{t: t}
 	_, c.sidecar = ciliumDaemonSet(t, renderCilium(t))
 
-	nodeA, _ := netnstest.NewNodes(t)
+	nodeA, nodeB := netnstest.NewNodes(t)
+	// Its uplink is a veth, as a kind node's eth0, with the default route:
+	// the agent, given no --devices, must find it.
+	must(t, nodeA.Netlink(t).RouteAdd(&netlink.Route{LinkIndex: nodeA.Uplink.Attrs().Index, Gw: nodeB.Addr4.AsSlice()}))
 	c.node = nodeA
 	proxy := nodeA.AddPod(t, "proxy")
 	proxy.MakeAgent(t)
@@ -546,6 +550,15 @@ func TestAgentLeastPrivilege(t *testing.T) {
 			t.Errorf("scraping %s: %s, %.200q", metricsURL, resp.Status, body)
 		}
 	}
+
+	// node-ingress on the uplink it found.
+	waitFor(t, r, "node-ingress on "+netnstest.UplinkName, func() error {
+		out, err := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "db", "show", "attachments", "--state-dir="+r.stateDir).CombinedOutput()
+		if err != nil || !regexp.MustCompile(`(?m)^`+netnstest.UplinkName+`\s+\d+\s+node-ingress\s+-\s+Done`).Match(out) {
+			return fmt.Errorf("attachments (%v):\n%s", err, out)
+		}
+		return nil
+	})
 
 	// Enrolled by the policy, with the identity from its CiliumEndpoint.
 	out, err := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "db", "show", "enrollments", "-o", "json", "--state-dir="+r.stateDir).CombinedOutput()

@@ -162,9 +162,11 @@ func newBedWith(t testing.TB, c cluster, cfg bedConfig) *bed {
 	must(t, os.WriteFile(filepath.Join(b.caDir, identity.CACertFile), certPEM, 0o600))
 	must(t, os.WriteFile(filepath.Join(b.caDir, identity.CAKeyFile), keyPEM, 0o600))
 
-	na, nb := netnstest.NewNodes(t)
+	var na, nb *netnstest.Node
 	if cfg.tunnel != "" {
 		na, nb = netnstest.NewTunnelNodes(t, cfg.tunnel)
+	} else {
+		na, nb = netnstest.NewNodes(t)
 	}
 	bpf := netnstest.BPFRoot(t)
 	for i, ns := range []*netnstest.Node{na, nb} {

@@ -22,9 +22,11 @@ func TestTopology(t *testing.T) {
 	netnstest.RequirePrivileged(t)
 	for _, tunnel := range []netnstest.Tunnel{"", netnstest.TunnelVXLAN, netnstest.TunnelGeneve} {
 		t.Run(cmp.Or(string(tunnel), "native"), func(t *testing.T) {
-			n1, n2 := netnstest.NewNodes(t)
+			var n1, n2 *netnstest.Node
 			if tunnel != "" {
 				n1, n2 = netnstest.NewTunnelNodes(t, tunnel)
+			} else {
+				n1, n2 = netnstest.NewNodes(t)
 			}
 			uplink := n1.Capture(t, netnstest.UplinkName)
 			var tunnelled *netnstest.Capture

@@ -60,8 +60,9 @@ var Core = cell.Group(
 	cell.Invoke(registerReconcilers),
 	// redirect/map and redirect/attached: the kernel's view, for the shell.
 	cell.Provide(scriptCommands),
-	// Cilium must let the mTLS agent send with other pods' addresses.
-	cell.Provide(checkSourceIP),
+	// Warnings in /healthz: Cilium must let the mTLS agent send with other
+	// pods' addresses; some device must take HBONE from other nodes.
+	cell.Provide(checkSourceIP, checkNodeIngress),
 	// Readiness, the CNI route and the bypass check ask the active mode;
 	// this is the l2 one.
 	cell.Provide(NewL2Mode),

@@ -206,13 +206,24 @@ func (d *derivation) pass(scan Scan, scanErr error, left map[netip.Addr]*Attachm
 		}
 		return nil
 	}
-	// Where the scan could not list the node's links, the devices this
-	// agent's links are on.
-	var linked map[string]int
-	if scanErr != nil && len(scan.Devices) == 0 {
-		linked, _ = d.Datapath.Attached()
+	// The devices with node-ingress now; where the scan could not list the
+	// node's links, also those of this agent's links (a restarted agent
+	// has no rows yet) that may be node-ingress ones.
+	kept := map[string]int{}
+	for a := range d.Attachments.All(wtxn) {
+		if a.Hook == bpf.HookNodeIngress && a.Ifindex != 0 {
+			kept[a.Device] = a.Ifindex
+		}
 	}
-	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj, attached, linked)
+	if scanErr != nil && len(scan.Devices) == 0 {
+		linked, _ := d.Datapath.Attached()
+		for dev, idx := range linked {
+			if _, ok := kept[dev]; !ok && mayHaveNodeIngress(d.Config, dev) {
+				kept[dev] = idx
+			}
+		}
+	}
+	want := desired(d.Config, scan, scanErr, local, enrolled, nodeObj, attached, kept)
 	previous := statedb.Collect(d.Redirects.All(wtxn))
 	for addr, a := range left {
 		// The pod is unknown: the map names none.
@@ -295,7 +306,7 @@ type desiredRows struct {
 // unsteer a running pod.
 func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 	enrolled map[string]*enrollment.Enrollment, node *tables.Node,
-	attached func(pod *tables.Pod) []*Attachment, linked map[string]int) desiredRows {
+	attached func(pod *tables.Pod) []*Attachment, kept map[string]int) desiredRows {
 	out := desiredRows{redirects: map[netip.Addr]*Redirect{}, attachments: map[string]*Attachment{}}
 	add := func(r *Redirect) {
 		if old, ok := out.redirects[r.Addr]; ok && !preferred(r, old) {
@@ -342,7 +353,7 @@ func desired(cfg Config, scan Scan, scanErr error, pods []*tables.Pod,
 		add(&Redirect{Addr: ip, Kind: bpf.KindLocal, NetnsID: bpf.NoNetns})
 	}
 	out.redirects[bpf.AgentKey] = agentRow(scan, scanErr, agents)
-	for _, a := range nodeIngress(cfg, scan, linked) {
+	for _, a := range nodeIngress(cfg, scan, kept) {
 		if out.attachments[a.Device] == nil {
 			out.attachments[a.Device] = a
 		}

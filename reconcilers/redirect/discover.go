@@ -40,8 +40,10 @@ type Scan struct {
 	// Devices maps every interface name of the node to its index.
 	Devices map[string]int
 	// Uplinks are the devices that look like the node's uplinks (see
-	// isUplink): node-ingress goes there when --devices is not given.
-	Uplinks []string
+	// findUplinks), looked for when --devices is not given; UplinksFound
+	// says the search succeeded.
+	Uplinks      []string
+	UplinksFound bool
 	// Local are the node's own global addresses (uplinks, cilium_host,
 	// ...): traffic to them is same-node.
 	Local []netip.Addr
@@ -86,7 +88,8 @@ type Interfaces interface {
 // (Cilium routes pods through cilium_host unless endpoint routes are on),
 // and an address counts only where it is really configured.
 type netlinkInterfaces struct {
-	netns *NodeNetns
+	netns         *NodeNetns
+	detectUplinks bool
 
 	mu      sync.Mutex
 	changed chan struct{}
@@ -102,7 +105,7 @@ type interfacesParams struct {
 }
 
 func newNetlinkInterfaces(p interfacesParams) Interfaces {
-	ni := &netlinkInterfaces{netns: p.Netns, changed: make(chan struct{})}
+	ni := &netlinkInterfaces{netns: p.Netns, detectUplinks: len(p.Config.Devices) == 0, changed: make(chan struct{})}
 	if p.Config.EnableRedirect && !inactive(p.Mode) { // else nothing scans: the derivation knows
 		p.Jobs.Add(job.OneShot("watch-interfaces", ni.watch))
 	}
@@ -183,7 +186,7 @@ func (ni *netlinkInterfaces) Scan() (Scan, error) {
 		s   Scan
 		err error
 	)
-	if derr := ni.netns.Do(func() error { s, err = scan(); return nil }); derr != nil {
+	if derr := ni.netns.Do(func() error { s, err = scan(ni.detectUplinks); return nil }); derr != nil {
 		return Scan{}, derr
 	}
 	return s, err
@@ -194,17 +197,18 @@ func (ni *netlinkInterfaces) Scan() (Scan, error) {
 // and the kernel marks such a dump possibly inconsistent.
 const scanAttempts = 5
 
-// scan runs in the node's namespace.
-func scan() (Scan, error) {
+// scan runs in the node's namespace; detectUplinks: look for the devices
+// that look like uplinks (no --devices).
+func scan(detectUplinks bool) (Scan, error) {
 	for attempt := 1; ; attempt++ {
-		s, err := scanOnce()
+		s, err := scanOnce(detectUplinks)
 		if !errors.Is(err, netlink.ErrDumpInterrupted) || attempt == scanAttempts {
 			return s, err
 		}
 	}
 }
 
-func scanOnce() (Scan, error) {
+func scanOnce(detectUplinks bool) (Scan, error) {
 	s := Scan{Pods: map[netip.Addr]PodInterface{}, Devices: map[string]int{}}
 	links, err := netlink.LinkList()
 	if err != nil {
@@ -214,20 +218,21 @@ func scanOnce() (Scan, error) {
 	if err != nil {
 		return s, fmt.Errorf("list addresses: %w", err)
 	}
-	global := map[int]bool{} // links with a global address
+	addressed := map[int]bool{} // links with an address in use
 	for _, a := range own {
 		if addr, ok := netip.AddrFromSlice(a.IP); ok && a.Scope == unix.RT_SCOPE_UNIVERSE {
 			s.Local = append(s.Local, addr.Unmap())
-			// IPv4 link-local addresses have the global scope unless set
-			// otherwise; they make no uplink.
-			global[a.LinkIndex] = global[a.LinkIndex] || addr.Unmap().IsGlobalUnicast()
+		}
+		if a.Flags&(unix.IFA_F_TENTATIVE|unix.IFA_F_DADFAILED) == 0 {
+			addressed[a.LinkIndex] = true
 		}
 	}
-	uplinks, err := findUplinks(links, global)
-	if err != nil {
-		return s, err
+	var errs []error
+	if detectUplinks {
+		s.Uplinks, err = findUplinks(links, addressed)
+		s.UplinksFound = err == nil
+		errs = append(errs, err)
 	}
-	s.Uplinks = uplinks
 	sock, err := nl.GetNetlinkSocketAt(netns.None(), netns.None(), unix.NETLINK_ROUTE)
 	if err != nil {
 		return s, err
@@ -240,7 +245,6 @@ func scanOnce() (Scan, error) {
 	}
 	sockets := map[int]*nl.SocketHandle{unix.NETLINK_ROUTE: {Socket: sock}}
 
-	var errs []error
 	for _, l := range links {
 		a := l.Attrs()
 		s.Devices[a.Name] = a.Index

@@ -22,6 +22,7 @@ import (
 	"github.com/cilium/hive/script/scripttest"
 	"github.com/cilium/statedb"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
 	"github.com/mtlsbridge/mtlsbridge/metrics"
@@ -50,6 +51,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 		devices:  map[string]int{"lo": 1},
 		changed:  make(chan struct{}),
 	}
+	var checks []api.Check
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
 		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell,
@@ -62,8 +64,27 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 			),
 			redirect.Core,
 		),
+		cell.Invoke(func(in struct {
+			cell.In
+			Checks []api.Check `group:"readiness-checks"`
+		}) {
+			checks = in.Checks
+		}),
 	)
-	return manifesttest.NewEngine(t, h, t.TempDir(), append([]string{"--node-name=node-a"}, args...), k.commands())
+	cmds := k.commands()
+	cmds["warnings"] = script.Command(
+		script.CmdUsage{Summary: "print the failing readiness checks of /healthz, one per line: NAME: ERROR"},
+		func(s *script.State, args ...string) (script.WaitFunc, error) {
+			return func(*script.State) (stdout, stderr string, err error) {
+				for _, c := range checks {
+					if err := c.Err(); err != nil {
+						stdout += c.Name + ": " + err.Error() + "\n"
+					}
+				}
+				return stdout, "", nil
+			}, nil
+		})
+	return manifesttest.NewEngine(t, h, t.TempDir(), append([]string{"--node-name=node-a"}, args...), cmds)
 }
 
 // fakeKernel is a Datapath and Interfaces in memory.
@@ -153,7 +174,7 @@ func (k *fakeKernel) Scan() (redirect.Scan, error) {
 		// As netlink's LinkList when a dump is interrupted for good.
 		return redirect.Scan{Pods: map[netip.Addr]redirect.PodInterface{}, Devices: map[string]int{}}, k.scanErr
 	}
-	return redirect.Scan{Pods: maps.Clone(k.pods), Devices: maps.Clone(k.devices), Uplinks: slices.Clone(k.uplinks)}, nil
+	return redirect.Scan{Pods: maps.Clone(k.pods), Devices: maps.Clone(k.devices), Uplinks: slices.Clone(k.uplinks), UplinksFound: true}, nil
 }
 
 func (k *fakeKernel) Changed() <-chan struct{} {
@@ -203,7 +224,7 @@ func (k *fakeKernel) commands() map[string]script.Cmd {
 				return nil, nil
 			}),
 		"kernel/device": script.Command(
-			script.CmdUsage{Summary: "add a device NAME with INDEX; uplink: it looks like an uplink", Args: "name index [uplink]"},
+			script.CmdUsage{Summary: "add or change a device NAME with INDEX; uplink: it looks like an uplink", Args: "name index [uplink]"},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
 				if len(args) != 2 && (len(args) != 3 || args[2] != "uplink") {
 					return nil, script.ErrUsage
@@ -214,6 +235,7 @@ func (k *fakeKernel) commands() map[string]script.Cmd {
 				}
 				k.change(func() {
 					k.devices[args[0]] = index
+					k.uplinks = slices.DeleteFunc(k.uplinks, func(name string) bool { return name == args[0] })
 					if len(args) == 3 {
 						k.uplinks = append(k.uplinks, args[0])
 					}

@@ -3,14 +3,20 @@
 package redirect
 
 import (
+	"errors"
 	"fmt"
+	"net/netip"
 	"slices"
 	"strings"
 
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
 // nodeIngress returns the node-ingress attachments: HBONE from other
@@ -19,18 +25,33 @@ import (
 //   - --devices names the uplinks; a name ending in + stands for every
 //     device it prefixes, as in Cilium's devices. A name that matches
 //     nothing has a row with a problem. Without --devices, the devices
-//     that look like uplinks (Scan.Uplinks) are taken.
+//     that look like uplinks (Scan.Uplinks) are taken, and stay taken
+//     while they exist: an address or route that comes and goes must
+//     not detach the program while peers still send.
 //   - Each of --tunnel-devices that exists is taken.
 //
-// linked holds this agent's links when the scan could not list the node's
-// links: those that may be node-ingress links stay as they are (a row with
-// a problem leaves the kernel alone and keeps the link from being pruned).
-func nodeIngress(cfg Config, scan Scan, linked map[string]int) []*Attachment {
+// kept are the devices with node-ingress now (device -> ifindex). Where
+// the scan could not tell (the links or the uplinks not listed), they keep
+// it as it is: a row with a problem leaves the kernel alone and keeps the
+// link from being pruned.
+func nodeIngress(cfg Config, scan Scan, kept map[string]int) []*Attachment {
 	var out []*Attachment
 	add := func(device string, ifindex int, problem string) {
 		out = append(out, &Attachment{Device: device, Ifindex: ifindex, Hook: bpf.HookNodeIngress, Problem: problem})
 	}
+	linksListed := len(scan.Devices) > 0
+	keep := func(device string) bool {
+		if idx, ok := kept[device]; ok && !linksListed {
+			add(device, idx, "links not listed: kept as attached")
+			return true
+		}
+		return false
+	}
 	for _, pattern := range cfg.Devices {
+		if strings.HasPrefix(pattern, "!") {
+			add(pattern, 0, fmt.Sprintf("--devices %s: exclusions are not supported; name the uplinks", pattern))
+			continue
+		}
 		matched := false
 		for name, idx := range scan.Devices {
 			if matchDevice(pattern, name) {
@@ -38,7 +59,7 @@ func nodeIngress(cfg Config, scan Scan, linked map[string]int) []*Attachment {
 				matched = true
 			}
 		}
-		if !matched {
+		if !matched && !keep(pattern) {
 			add(pattern, 0, fmt.Sprintf("--devices %s: %v", pattern, ErrNoDevice))
 		}
 	}
@@ -46,19 +67,73 @@ func nodeIngress(cfg Config, scan Scan, linked map[string]int) []*Attachment {
 		for _, dev := range scan.Uplinks {
 			add(dev, scan.Devices[dev], "")
 		}
+		for dev, idx := range kept {
+			switch {
+			case !mayBeUplink(dev) || slices.Contains(cfg.TunnelDevices, dev):
+			case !linksListed:
+				keep(dev)
+			case scan.Devices[dev] != idx:
+				// Gone, or another device under its name.
+			case scan.UplinksFound:
+				add(dev, idx, "") // found before, still there
+			default:
+				add(dev, idx, "uplinks not found: kept as attached")
+			}
+		}
 	}
 	for _, dev := range cfg.TunnelDevices {
 		if idx, ok := scan.Devices[dev]; ok {
 			add(dev, idx, "")
-		}
-	}
-	for dev, idx := range linked {
-		if slices.Contains(cfg.TunnelDevices, dev) || slices.ContainsFunc(cfg.Devices, func(p string) bool { return matchDevice(p, dev) }) ||
-			len(cfg.Devices) == 0 && mayBeUplink(dev) {
-			add(dev, idx, "links not listed: kept as attached")
+		} else {
+			keep(dev)
 		}
 	}
 	return out
+}
+
+// ErrNoNodeIngress: no device has the node-ingress program (none found, or
+// every one named is missing). HBONE from other nodes then reaches pods'
+// own port 15008 and is refused: closed, but cross-node mTLS fails.
+var ErrNoNodeIngress = errors.New("no uplink or tunnel device has the node-ingress program: HBONE from other nodes is not steered to the mTLS agent (native routing: set --devices)")
+
+type nodeIngressParams struct {
+	cell.In
+
+	Mode        steering.Config `optional:"true"`
+	DB          *statedb.DB
+	Datapath    Datapath
+	Attachments statedb.Table[*Attachment]
+}
+
+// checkNodeIngress warns in /healthz (check node-ingress) once the
+// attachments are initialized and none is node-ingress without a problem.
+// A warning: a cluster of one node needs none.
+func checkNodeIngress(p nodeIngressParams) api.CheckOut {
+	check := func() error {
+		if inactive(p.Mode) || errors.Is(p.Datapath.Err(), ErrDisabled) {
+			return nil
+		}
+		txn := p.DB.ReadTxn()
+		if initialized, _ := p.Attachments.Initialized(txn); !initialized {
+			return nil
+		}
+		for a := range p.Attachments.All(txn) {
+			if a.Hook == bpf.HookNodeIngress && a.Problem == "" {
+				return nil
+			}
+		}
+		return ErrNoNodeIngress
+	}
+	return api.CheckOut{Check: api.Check{Name: "node-ingress", Warning: true, Err: check}}
+}
+
+// mayHaveNodeIngress tells whether this agent's link on the device may be
+// a node-ingress link, by the device's name: a restarted agent that cannot
+// list the node's links tells its links apart no other way.
+func mayHaveNodeIngress(cfg Config, device string) bool {
+	return slices.Contains(cfg.TunnelDevices, device) ||
+		slices.ContainsFunc(cfg.Devices, func(p string) bool { return matchDevice(p, device) }) ||
+		len(cfg.Devices) == 0 && mayBeUplink(device)
 }
 
 // matchDevice tells whether a --devices entry names the device: its name,
@@ -83,58 +158,49 @@ func mayBeUplink(name string) bool {
 
 // findUplinks picks the links that look like the node's uplinks, by the
 // rules of Cilium's own device detection (its devices left empty): up,
-// with a global address, no loopback, not a member of a bridge or bond (of
-// a VRF it may be), no bridge, Open vSwitch or IPoIB device, a name that
-// may be an uplink's, and a veth only with a default route (a node that is
-// a container, as in kind). It runs in the node's namespace.
-func findUplinks(links []netlink.Link, global map[int]bool) ([]string, error) {
+// with an address, a route to a global unicast destination in any table
+// (an unnumbered uplink's learned routes count; so does the local route of
+// a global address), no loopback, not a member of a bridge or bond (of a
+// VRF it may be), no bridge, Open vSwitch or IPoIB device, a name that may
+// be an uplink's, and a veth only with a default route in the main table
+// (a node that is a container, as in kind). It runs in the node's
+// namespace.
+func findUplinks(links []netlink.Link, addressed map[int]bool) ([]string, error) {
+	routes, err := netlink.RouteListFiltered(netlink.FAMILY_ALL, &netlink.Route{Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return nil, fmt.Errorf("list routes: %w", err)
+	}
+	globalRoute, defaultRoute := map[int]bool{}, map[int]bool{}
+	for _, r := range routes {
+		hops := []int{r.LinkIndex}
+		for _, hop := range r.MultiPath {
+			hops = append(hops, hop.LinkIndex)
+		}
+		for _, link := range hops {
+			if r.Dst == nil || r.Dst.IP.IsUnspecified() {
+				defaultRoute[link] = defaultRoute[link] || r.Table == unix.RT_TABLE_MAIN
+			} else if dst, ok := netip.AddrFromSlice(r.Dst.IP); ok && dst.Unmap().IsGlobalUnicast() {
+				globalRoute[link] = true
+			}
+		}
+	}
 	typeOf := map[int]string{}
 	for _, l := range links {
 		typeOf[l.Attrs().Index] = l.Type()
 	}
-	var defaultRoutes map[int]bool // read when a veth needs it
 	var uplinks []string
 	for _, l := range links {
 		a := l.Attrs()
 		switch {
-		case !global[a.Index], a.RawFlags&unix.IFF_UP == 0, a.RawFlags&(unix.IFF_LOOPBACK|unix.IFF_SLAVE) != 0,
+		case !addressed[a.Index], !globalRoute[a.Index], a.RawFlags&unix.IFF_UP == 0,
+			a.RawFlags&(unix.IFF_LOOPBACK|unix.IFF_SLAVE) != 0,
 			a.MasterIndex != 0 && typeOf[a.MasterIndex] != "vrf",
 			slices.Contains([]string{"bridge", "openvswitch", "ipoib"}, l.Type()),
-			!mayBeUplink(a.Name):
+			!mayBeUplink(a.Name),
+			l.Type() == "veth" && !defaultRoute[a.Index]:
 			continue
-		}
-		if l.Type() == "veth" {
-			if defaultRoutes == nil {
-				var err error
-				if defaultRoutes, err = linksWithDefaultRoute(); err != nil {
-					return nil, err
-				}
-			}
-			if !defaultRoutes[a.Index] {
-				continue
-			}
 		}
 		uplinks = append(uplinks, a.Name)
 	}
 	return uplinks, nil
-}
-
-// linksWithDefaultRoute lists the links of the main table's default routes.
-func linksWithDefaultRoute() (map[int]bool, error) {
-	out := map[int]bool{}
-	for _, family := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
-		// With the destination filter, a nil destination is the default.
-		routes, err := netlink.RouteListFiltered(family, &netlink.Route{Table: unix.RT_TABLE_MAIN},
-			netlink.RT_FILTER_DST|netlink.RT_FILTER_TABLE)
-		if err != nil {
-			return nil, fmt.Errorf("list default routes: %w", err)
-		}
-		for _, r := range routes {
-			out[r.LinkIndex] = true
-			for _, hop := range r.MultiPath {
-				out[hop.LinkIndex] = true
-			}
-		}
-	}
-	return out, nil
 }

@@ -13,8 +13,10 @@ import (
 )
 
 // TestScanFindsUplinks: in a namespace of the kernel, the scan takes for
-// uplinks the devices that are up with a global address, and none of the
-// devices that only look alike.
+// uplinks the devices that are up with an address and a route to a global
+// destination (their own global address, or routes learned over a
+// link-local one), and none of the devices that only look alike. (This
+// kernel may lack bonds and VRFs: their members are not covered here.)
 func TestScanFindsUplinks(t *testing.T) {
 	netnstest.RequirePrivileged(t)
 	ns := netnstest.NewNS(t, "mtlsb-uplinks")
@@ -62,6 +64,12 @@ func TestScanFindsUplinks(t *testing.T) {
 	if err := h.LinkSetMaster(member, br); err != nil {
 		t.Fatal(err)
 	}
+	// Unnumbered: a link-local address, and routes learned over it.
+	unnumbered := add(device("eth6"), true, "169.254.7.2/16")
+	_, learned, _ := net.ParseCIDR("10.0.0.0/8")
+	if err := h.RouteAdd(&netlink.Route{LinkIndex: unnumbered.Attrs().Index, Dst: learned}); err != nil {
+		t.Fatal(err)
+	}
 	add(veth("veth0"), true, "192.0.2.6/24") // no default route
 	kind := add(veth("veth1"), true, "198.51.100.2/24")
 	if err := h.RouteAdd(&netlink.Route{LinkIndex: kind.Attrs().Index, Gw: net.ParseIP("198.51.100.1")}); err != nil {
@@ -69,11 +77,11 @@ func TestScanFindsUplinks(t *testing.T) {
 	}
 
 	var s Scan
-	if err := ns.Do(func() (err error) { s, err = scan(); return err }); err != nil {
+	if err := ns.Do(func() (err error) { s, err = scan(true); return err }); err != nil {
 		t.Fatal(err)
 	}
 	slices.Sort(s.Uplinks)
-	if want := []string{"eth0", "eth1", "veth1"}; !slices.Equal(s.Uplinks, want) {
+	if want := []string{"eth0", "eth1", "eth6", "veth1"}; !s.UplinksFound || !slices.Equal(s.Uplinks, want) {
 		t.Errorf("uplinks %v, want %v", s.Uplinks, want)
 	}
 }
