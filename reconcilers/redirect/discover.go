@@ -218,18 +218,22 @@ func scanOnce(detectUplinks bool) (Scan, error) {
 	if err != nil {
 		return s, fmt.Errorf("list addresses: %w", err)
 	}
-	addressed := map[int]bool{} // links with an address in use
+	addrs := map[int]linkAddrs{}
 	for _, a := range own {
-		if addr, ok := netip.AddrFromSlice(a.IP); ok && a.Scope == unix.RT_SCOPE_UNIVERSE {
+		addr, ok := netip.AddrFromSlice(a.IP)
+		if ok && a.Scope == unix.RT_SCOPE_UNIVERSE {
 			s.Local = append(s.Local, addr.Unmap())
 		}
 		if a.Flags&(unix.IFA_F_TENTATIVE|unix.IFA_F_DADFAILED) == 0 {
-			addressed[a.LinkIndex] = true
+			la := addrs[a.LinkIndex]
+			la.any = true
+			la.global = la.global || ok && addr.Unmap().IsGlobalUnicast()
+			addrs[a.LinkIndex] = la
 		}
 	}
 	var errs []error
 	if detectUplinks {
-		s.Uplinks, err = findUplinks(links, addressed)
+		s.Uplinks, err = findUplinks(links, addrs)
 		s.UplinksFound = err == nil
 		errs = append(errs, err)
 	}

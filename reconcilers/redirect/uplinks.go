@@ -156,51 +156,70 @@ func mayBeUplink(name string) bool {
 	return true
 }
 
+// linkAddrs is what a link's addresses in use tell detection.
+type linkAddrs struct {
+	any bool
+	// global: one is a global unicast address, whose local route is a
+	// route to a global destination.
+	global bool
+}
+
 // findUplinks picks the links that look like the node's uplinks, by the
 // rules of Cilium's own device detection (its devices left empty): up,
 // with an address, a route to a global unicast destination in any table
-// (an unnumbered uplink's learned routes count; so does the local route of
-// a global address), no loopback, not a member of a bridge or bond (of a
+// (the local route of a global address; for an unnumbered uplink, routes
+// learned over it), no loopback, not a member of a bridge or bond (of a
 // VRF it may be), no bridge, Open vSwitch or IPoIB device, a name that may
 // be an uplink's, and a veth only with a default route in the main table
-// (a node that is a container, as in kind). It runs in the node's
-// namespace.
-func findUplinks(links []netlink.Link, addressed map[int]bool) ([]string, error) {
-	routes, err := netlink.RouteListFiltered(netlink.FAMILY_ALL, &netlink.Route{Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_TABLE)
-	if err != nil {
-		return nil, fmt.Errorf("list routes: %w", err)
-	}
-	globalRoute, defaultRoute := map[int]bool{}, map[int]bool{}
-	for _, r := range routes {
-		hops := []int{r.LinkIndex}
-		for _, hop := range r.MultiPath {
-			hops = append(hops, hop.LinkIndex)
-		}
-		for _, link := range hops {
-			if r.Dst == nil || r.Dst.IP.IsUnspecified() {
-				defaultRoute[link] = defaultRoute[link] || r.Table == unix.RT_TABLE_MAIN
-			} else if dst, ok := netip.AddrFromSlice(r.Dst.IP); ok && dst.Unmap().IsGlobalUnicast() {
-				globalRoute[link] = true
-			}
-		}
-	}
+// (a node that is a container, as in kind). The routes are read only when
+// a candidate needs them (a node with a full routing table and uplinks
+// with global addresses never dumps it). It runs in the node's namespace.
+func findUplinks(links []netlink.Link, addrs map[int]linkAddrs) ([]string, error) {
 	typeOf := map[int]string{}
 	for _, l := range links {
 		typeOf[l.Attrs().Index] = l.Type()
 	}
-	var uplinks []string
+	var candidates []netlink.Link
+	needRoutes := false
 	for _, l := range links {
 		a := l.Attrs()
 		switch {
-		case !addressed[a.Index], !globalRoute[a.Index], a.RawFlags&unix.IFF_UP == 0,
-			a.RawFlags&(unix.IFF_LOOPBACK|unix.IFF_SLAVE) != 0,
+		case !addrs[a.Index].any, a.RawFlags&unix.IFF_UP == 0, a.RawFlags&(unix.IFF_LOOPBACK|unix.IFF_SLAVE) != 0,
 			a.MasterIndex != 0 && typeOf[a.MasterIndex] != "vrf",
 			slices.Contains([]string{"bridge", "openvswitch", "ipoib"}, l.Type()),
-			!mayBeUplink(a.Name),
-			l.Type() == "veth" && !defaultRoute[a.Index]:
+			!mayBeUplink(a.Name):
 			continue
 		}
-		uplinks = append(uplinks, a.Name)
+		candidates = append(candidates, l)
+		needRoutes = needRoutes || l.Type() == "veth" || !addrs[a.Index].global
+	}
+	globalRoute, defaultRoute := map[int]bool{}, map[int]bool{}
+	if needRoutes {
+		err := netlink.RouteListFilteredIter(netlink.FAMILY_ALL, &netlink.Route{Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_TABLE,
+			func(r netlink.Route) bool {
+				hops := []int{r.LinkIndex}
+				for _, hop := range r.MultiPath {
+					hops = append(hops, hop.LinkIndex)
+				}
+				for _, link := range hops {
+					if r.Dst == nil || r.Dst.IP.IsUnspecified() {
+						defaultRoute[link] = defaultRoute[link] || r.Table == unix.RT_TABLE_MAIN
+					} else if dst, ok := netip.AddrFromSlice(r.Dst.IP); ok && dst.Unmap().IsGlobalUnicast() {
+						globalRoute[link] = true
+					}
+				}
+				return true
+			})
+		if err != nil {
+			return nil, fmt.Errorf("list routes: %w", err)
+		}
+	}
+	var uplinks []string
+	for _, l := range candidates {
+		a := l.Attrs()
+		if (addrs[a.Index].global || globalRoute[a.Index]) && (l.Type() != "veth" || defaultRoute[a.Index]) {
+			uplinks = append(uplinks, a.Name)
+		}
 	}
 	return uplinks, nil
 }
