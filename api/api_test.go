@@ -249,6 +249,30 @@ func TestServeTCP(t *testing.T) {
 		}
 	}
 
+	// Connections are bounded: with the budget (32) taken by clients that
+	// send nothing, a scrape waits; once they go, it is served.
+	var held []net.Conn
+	for range 40 {
+		c, err := net.Dial("tcp", metricsAddr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+	}
+	fresh := &http.Client{Timeout: time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	if resp, err := fresh.Get("http://" + metricsAddr + "/metrics"); err == nil {
+		resp.Body.Close()
+		t.Errorf("a scrape beyond the connection budget was served: %s", resp.Status)
+	}
+	for _, c := range held {
+		c.Close()
+	}
+	if resp, err := fresh.Get("http://" + metricsAddr + "/metrics"); err != nil {
+		t.Errorf("a scrape once the idle clients went: %v", err)
+	} else {
+		resp.Body.Close()
+	}
+
 	// The health address was taken at start: it is served once freed.
 	taken.Close()
 	if code, body := get(healthAddr, "/healthz"); code != http.StatusServiceUnavailable || !strings.Contains(body, `"namespaces"`) {

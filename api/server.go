@@ -18,6 +18,7 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/net/netutil"
 
 	"github.com/mtlsbridge/mtlsbridge/api/client"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
@@ -42,7 +43,8 @@ type serverParams struct {
 const StatedbPrefix = "/statedb"
 
 func registerServer(p serverParams) {
-	metrics := promhttp.HandlerFor(p.Metrics, promhttp.HandlerOpts{})
+	// Bounded: over TCP, anyone who reaches a node address may scrape.
+	metrics := promhttp.HandlerFor(p.Metrics, promhttp.HandlerOpts{MaxRequestsInFlight: 4, Timeout: tcpTimeout})
 	healthz := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		writeHealth(w, health(p.DB, p.Checks))
 	})
@@ -90,6 +92,14 @@ func registerServer(p serverParams) {
 	}))
 }
 
+// Bounds of the TCP listeners, which anyone who reaches the address may
+// use: connections at once, and the time to read a request or write an
+// answer.
+const (
+	tcpMaxConnections = 32
+	tcpTimeout        = 10 * time.Second
+)
+
 // serveTCP serves one route on a TCP address. An address that cannot be
 // listened on (a port taken) is retried, with the job's health degraded.
 func serveTCP(log *slog.Logger, name, addr, pattern string, h http.Handler) job.Job {
@@ -100,8 +110,9 @@ func serveTCP(log *slog.Logger, name, addr, pattern string, h http.Handler) job.
 		if err != nil {
 			return fmt.Errorf("listen on %s: %w", addr, err)
 		}
-		// Reachable from the network: bounded headers and idle time.
-		srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, IdleTimeout: time.Minute, MaxHeaderBytes: 16 << 10}
+		l = netutil.LimitListener(l, tcpMaxConnections)
+		srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: tcpTimeout,
+			WriteTimeout: tcpTimeout, IdleTimeout: time.Minute, MaxHeaderBytes: 16 << 10}
 		log.Info("Serving over TCP", "route", pattern, "address", l.Addr())
 		health.OK(fmt.Sprintf("serving %s on %s", pattern, l.Addr()))
 		return serveUntil(ctx, srv, l)

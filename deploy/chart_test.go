@@ -161,7 +161,9 @@ func TestCiliumChartRendersSidecar(t *testing.T) {
 	taken := ciliumChartPorts(t)
 	for _, other := range slices.Concat(pod.InitContainers, pod.Containers) {
 		for _, port := range other.Ports {
-			taken[int(port.ContainerPort)] = other.Name + " container port " + port.Name
+			if other.Name != c.Name {
+				taken[int(port.ContainerPort)] = other.Name + " container port " + port.Name
+			}
 		}
 	}
 	for _, flag := range []string{"health-serve-addr", "prometheus-serve-addr"} {
@@ -172,6 +174,13 @@ func TestCiliumChartRendersSidecar(t *testing.T) {
 		if what, ok := taken[n]; ok {
 			t.Errorf("--%s uses port %d, which Cilium's %s takes", flag, n, what)
 		}
+	}
+	// The metrics port is declared, by name, for a PodMonitor.
+	metricsPort := flagString(t, fs, "prometheus-serve-addr")
+	if !slices.ContainsFunc(c.Ports, func(p corev1.ContainerPort) bool {
+		return p.Name != "" && ":"+strconv.Itoa(int(p.ContainerPort)) == metricsPort && p.HostPort == p.ContainerPort
+	}) {
+		t.Errorf("the sidecar declares no named port for --prometheus-serve-addr=%s: %+v", metricsPort, c.Ports)
 	}
 
 	// The CNI chain: Cilium reads its conflist from the shipped ConfigMap.
@@ -246,7 +255,9 @@ func TestCNIConfigMapMatchesAgentFlags(t *testing.T) {
 }
 
 // ciliumChartPorts collects the ports Cilium's chart names in its default
-// values (every number under a key "port" or "...Port"), with their keys.
+// values (under a key "port", "...Port" or "...Address": a number, or a
+// string of one or ending in :NUMBER), with their keys. Ports fixed in
+// its templates alone are not seen.
 func ciliumChartPorts(t *testing.T) map[int]string {
 	t.Helper()
 	data, err := os.ReadFile(filepath.Join(kubetest.CiliumChart(t), "values.yaml"))
@@ -260,9 +271,11 @@ func ciliumChartPorts(t *testing.T) map[int]string {
 		case map[string]any:
 			for k, child := range v {
 				key := path + "." + k
-				if n, ok := child.(float64); ok && (k == "port" || strings.HasSuffix(k, "Port")) && n > 0 {
-					ports[int(n)] = "value " + key[1:]
-					continue
+				if k == "port" || strings.HasSuffix(k, "Port") || strings.HasSuffix(k, "Address") {
+					if n := portOf(child); n > 0 {
+						ports[n] = "value " + key[1:]
+						continue
+					}
 				}
 				walk(key, child)
 			}
@@ -277,4 +290,19 @@ func ciliumChartPorts(t *testing.T) map[int]string {
 		t.Fatalf("found %d ports in Cilium's values.yaml, want its many: %v", len(ports), ports)
 	}
 	return ports
+}
+
+// portOf reads a port from a chart value: 9962, "9962" or ":9962".
+func portOf(v any) int {
+	switch v := v.(type) {
+	case float64:
+		return int(v)
+	case string:
+		if i := strings.LastIndex(v, ":"); i >= 0 {
+			v = v[i+1:]
+		}
+		n, _ := strconv.Atoi(v)
+		return n
+	}
+	return 0
 }

@@ -5,6 +5,7 @@ package redirect
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 
 	"github.com/cilium/hive/cell"
@@ -46,10 +47,19 @@ func checkSourceIP(p sourceIPParams) api.CheckOut {
 			return nil
 		}
 		settings, err := steering.CiliumSettings(p.Mode.CiliumConfigDir, "enable-source-ip-verification")
-		if err != nil || settings[0] == "false" {
+		if err != nil {
 			return err
 		}
+		// On by default; set, on only when it reads true (as Cilium reads it).
+		if v := settings[0]; v != "" {
+			if on, err := strconv.ParseBool(v); err != nil || !on {
+				return nil
+			}
+		}
 		txn := p.DB.ReadTxn()
+		if initialized, _ := p.Namespaces.Initialized(txn); !initialized {
+			return nil // the namespace's annotation may not be read yet
+		}
 		var errs []error
 		for e := range p.Enrollments.List(txn, enrollment.OfThisNode()) {
 			if !e.MTLSAgent {

@@ -40,6 +40,8 @@ status: {phase: Running, podIPs: [{ip: 10.0.1.2}]}
 	}
 	write("cluster.yaml", agentPod("", ""))
 	a := agenttest.Start(t, manifests, nil, "--cilium-config-dir="+config)
+	// warningIs waits for the warning to say each of want, and none of
+	// the strings of want that start with "!".
 	warningIs := func(want ...string) {
 		t.Helper()
 		deadline := time.Now().Add(10 * time.Second)
@@ -51,7 +53,11 @@ status: {phase: Running, podIPs: [{ip: 10.0.1.2}]}
 			w := h.Warnings["cilium-source-ip"]
 			matches := len(h.Failing) == 0 && (len(want) == 0) == (w == "")
 			for _, s := range want {
-				matches = matches && strings.Contains(w, s)
+				if absent, ok := strings.CutPrefix(s, "!"); ok {
+					matches = matches && w != "" && !strings.Contains(w, absent)
+				} else {
+					matches = matches && strings.Contains(w, s)
+				}
 			}
 			if matches {
 				return
@@ -68,16 +74,23 @@ status: {phase: Running, podIPs: [{ip: 10.0.1.2}]}
 
 	// The pod asks, but its namespace does not delegate: Cilium ignores it.
 	write("cluster.yaml", agentPod("", `config.cilium.io/disable-source-ip-verification: "true"`))
-	warningIs("namespace kube-system annotated")
+	warningIs("namespace kube-system annotated", "!the pod annotated")
 	// Both, as Cilium reads them (spaces and any true of ParseBool).
 	write("cluster.yaml", agentPod(`config.cilium.io/delegate-source-ip-verification: " True "`, `config.cilium.io/disable-source-ip-verification: "1"`))
 	warningIs()
 
-	// Cilium verifies nothing: no warning, whatever the pod.
+	// Cilium verifies nothing (any false of ParseBool): no warning,
+	// whatever the pod; verifying explicitly, it warns again.
 	write("cluster.yaml", agentPod("", ""))
 	warningIs("the pod annotated")
-	if err := os.WriteFile(filepath.Join(config, "enable-source-ip-verification"), []byte("false\n"), 0o600); err != nil {
-		t.Fatal(err)
+	setting := func(v string) {
+		t.Helper()
+		if err := os.WriteFile(filepath.Join(config, "enable-source-ip-verification"), []byte(v), 0o600); err != nil {
+			t.Fatal(err)
+		}
 	}
+	setting("False\n")
 	warningIs()
+	setting("true")
+	warningIs("the pod annotated")
 }
