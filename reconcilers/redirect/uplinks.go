@@ -30,22 +30,19 @@ import (
 //     not detach the program while peers still send.
 //   - Each of --tunnel-devices that exists is taken.
 //
-// kept are the devices with node-ingress now (device -> ifindex). Where
-// the scan could not tell (the links or the uplinks not listed), they keep
-// it as it is: a row with a problem leaves the kernel alone and keeps the
-// link from being pruned.
+// kept are the devices with node-ingress now (device -> ifindex). When
+// the scan could not list the node's links, they stand for the devices:
+// each keeps its program as it is, in a row with a problem (which leaves
+// the kernel alone and keeps the link from being pruned).
 func nodeIngress(cfg Config, scan Scan, kept map[string]int) []*Attachment {
 	var out []*Attachment
 	add := func(device string, ifindex int, problem string) {
 		out = append(out, &Attachment{Device: device, Ifindex: ifindex, Hook: bpf.HookNodeIngress, Problem: problem})
 	}
+	devices, problem := scan.Devices, ""
 	linksListed := len(scan.Devices) > 0
-	keep := func(device string) bool {
-		if idx, ok := kept[device]; ok && !linksListed {
-			add(device, idx, "links not listed: kept as attached")
-			return true
-		}
-		return false
+	if !linksListed {
+		devices, problem = kept, "links not listed: kept as attached"
 	}
 	for _, pattern := range cfg.Devices {
 		if strings.HasPrefix(pattern, "!") {
@@ -53,13 +50,13 @@ func nodeIngress(cfg Config, scan Scan, kept map[string]int) []*Attachment {
 			continue
 		}
 		matched := false
-		for name, idx := range scan.Devices {
+		for name, idx := range devices {
 			if matchDevice(pattern, name) {
-				add(name, idx, "")
+				add(name, idx, problem)
 				matched = true
 			}
 		}
-		if !matched && !keep(pattern) {
+		if !matched {
 			add(pattern, 0, fmt.Sprintf("--devices %s: %v", pattern, ErrNoDevice))
 		}
 	}
@@ -71,7 +68,7 @@ func nodeIngress(cfg Config, scan Scan, kept map[string]int) []*Attachment {
 			switch {
 			case !mayBeUplink(dev) || slices.Contains(cfg.TunnelDevices, dev):
 			case !linksListed:
-				keep(dev)
+				add(dev, idx, problem)
 			case scan.Devices[dev] != idx:
 				// Gone, or another device under its name.
 			case scan.UplinksFound:
@@ -82,10 +79,8 @@ func nodeIngress(cfg Config, scan Scan, kept map[string]int) []*Attachment {
 		}
 	}
 	for _, dev := range cfg.TunnelDevices {
-		if idx, ok := scan.Devices[dev]; ok {
-			add(dev, idx, "")
-		} else {
-			keep(dev)
+		if idx, ok := devices[dev]; ok {
+			add(dev, idx, problem)
 		}
 	}
 	return out
