@@ -312,17 +312,8 @@ func (r *agentRun) logText() string {
 func (c *cluster) probe(r *agentRun, p *corev1.Probe) error {
 	timeout := time.Duration(p.TimeoutSeconds) * time.Second
 	if get := p.HTTPGet; get != nil {
-		target := fmt.Sprintf("http://%s%s", net.JoinHostPort(get.Host, get.Port.String()), get.Path)
-		resp, err := c.node.HTTPClient(timeout).Get(target)
-		if err != nil {
-			return err
-		}
-		defer resp.Body.Close()
-		body, _ := io.ReadAll(resp.Body)
-		if resp.StatusCode < 200 || resp.StatusCode >= 400 {
-			return fmt.Errorf("GET %s: %s\n%s", target, resp.Status, body)
-		}
-		return nil
+		_, err := c.getFromNode(fmt.Sprintf("http://%s%s", net.JoinHostPort(get.Host, get.Port.String()), get.Path), timeout)
+		return err
 	}
 	argv := slices.Clone(p.Exec.Command)
 	argv[0] = filepath.Join(c.bin, "mtlsbridge")
@@ -338,6 +329,22 @@ func (c *cluster) probe(r *agentRun, p *corev1.Probe) error {
 		return fmt.Errorf("%v: %w\n%s", argv[1:], err, out)
 	}
 	return nil
+}
+
+// getFromNode fetches url from inside the node's namespace, as the kubelet
+// and Prometheus of a host-network pod do; a status that is no success (as
+// a probe counts it: 200 to 399) is an error.
+func (c *cluster) getFromNode(url string, timeout time.Duration) ([]byte, error) {
+	resp, err := c.node.HTTPClient(timeout).Get(url)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if resp.StatusCode < 200 || resp.StatusCode >= 400 {
+		return body, fmt.Errorf("GET %s: %s\n%s", url, resp.Status, body)
+	}
+	return body, err
 }
 
 // waitFor polls cond until it holds, or fails the test after waitLimit.
@@ -541,14 +548,8 @@ func TestAgentLeastPrivilege(t *testing.T) {
 	_, port, err := net.SplitHostPort(flagString(t, fs, "prometheus-serve-addr"))
 	must(t, err)
 	metricsURL := "http://" + net.JoinHostPort(c.node.Addr4.String(), port) + "/metrics"
-	if resp, err := c.node.HTTPClient(5 * time.Second).Get(metricsURL); err != nil {
-		t.Errorf("scraping %s: %v", metricsURL, err)
-	} else {
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != 200 || !bytes.Contains(body, []byte("mtlsbridge_")) {
-			t.Errorf("scraping %s: %s, %.200q", metricsURL, resp.Status, body)
-		}
+	if body, err := c.getFromNode(metricsURL, 5*time.Second); err != nil || !bytes.Contains(body, []byte("mtlsbridge_")) {
+		t.Errorf("scraping %s: %v, %.200q", metricsURL, err, body)
 	}
 
 	// node-ingress on the uplink it found.
