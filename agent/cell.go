@@ -57,3 +57,16 @@ var Cell = cell.Group(
 	bypass.Cell,     // bypass: enrolled pods checked against the kernel and xDS acknowledgements
 	cni.Cell,        // chained CNI plugin: enrolled pods start only once redirected; its installer
 )
+
+// SignerCell is the signer without its infrastructure: the one holder of
+// the CA key, which signs for each node agent the identities of its own
+// node's enrolled pods (node agents run with --ca-upstream).
+var SignerCell = cell.Group(
+	tables.Cell,     // no node of its own: the cluster's enrolled pods
+	ingest.Cell,     // Kubernetes or manifest folder into tables
+	enrollment.Cell, // who is enrolled, and on which node
+	api.Cell,        // local API and read-only shell
+	grpcserver.Cell, // TLS gRPC listener
+	grpcserver.NodeAgentCallersCell,
+	identity.Cell, // the certificate authority
+)

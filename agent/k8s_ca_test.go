@@ -84,15 +84,7 @@ func TestKubernetesCA(t *testing.T) {
 		return tr.Status.Token
 	}
 	requestWith := func(client pb.IstioCertificateServiceClient, token, id string) (*pb.IstioCertificateResponse, error) {
-		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-		must(t, err)
-		u, _ := url.Parse(id)
-		der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{u}}, key)
-		must(t, err)
-		ctx := metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
-		return client.CreateCertificate(ctx, &pb.IstioCertificateRequest{
-			Csr: string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})),
-		})
+		return requestCert(t, client, token, id)
 	}
 	request := func(token, id string) (*pb.IstioCertificateResponse, error) { return requestWith(client, token, id) }
 	// retrying retries refused reviews (Unavailable), as ztunnel does: the
@@ -216,13 +208,45 @@ func waitEnrolled(t *testing.T, a *k8sAgent, key string) {
 	}
 }
 
+// requestCert asks client for a certificate of id, with a new key, as the
+// bearer of token.
+func requestCert(t *testing.T, client pb.IstioCertificateServiceClient, token, id string) (*pb.IstioCertificateResponse, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	must(t, err)
+	u, _ := url.Parse(id)
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{u}}, key)
+	must(t, err)
+	ctx := metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+token)
+	return client.CreateCertificate(ctx, &pb.IstioCertificateRequest{
+		Csr: string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})),
+	})
+}
+
+// grpcAddr is the address of the hive's gRPC listener.
+func grpcAddr(t *testing.T, a *k8sAgent) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	addr, err := a.grpc.Addr(ctx)
+	must(t, err)
+	return addr.String()
+}
+
+// grpcClient dials addr trusting only rootPEM.
+func grpcClient(t *testing.T, addr string, rootPEM []byte) pb.IstioCertificateServiceClient {
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(rootPEM)
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})))
+	must(t, err)
+	t.Cleanup(func() { conn.Close() })
+	return pb.NewIstioCertificateServiceClient(conn)
+}
+
 // caClient dials the agent's gRPC listener trusting only the bundle it
 // wrote, from the loopback address from (any when empty).
 func caClient(t *testing.T, a *k8sAgent, from string) pb.IstioCertificateServiceClient {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	addr, err := a.grpc.Addr(ctx)
-	must(t, err)
+	addr := grpcAddr(t, a)
 	var bundle []byte
 	for bundle == nil {
 		bundle, _ = os.ReadFile(filepath.Join(a.stateDir, "ca", identity.RootCertFile))
@@ -240,7 +264,7 @@ func caClient(t *testing.T, a *k8sAgent, from string) pb.IstioCertificateService
 	if from != "" {
 		dialer.LocalAddr = &net.TCPAddr{IP: net.ParseIP(from)}
 	}
-	conn, err := grpc.NewClient(addr.String(), grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})),
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(&tls.Config{RootCAs: pool})),
 		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) { return dialer.DialContext(ctx, "tcp", addr) }))
 	must(t, err)
 	t.Cleanup(func() { conn.Close() })

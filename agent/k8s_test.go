@@ -189,21 +189,26 @@ func startAgent(t *testing.T, cfg *rest.Config, extraFlags ...string) *k8sAgent 
 
 // startAgentLogging is startAgent logging to log.
 func startAgentLogging(t *testing.T, cfg *rest.Config, log *slog.Logger, extraFlags ...string) *k8sAgent {
+	return startHive(t, cfg, log, agent.Cell, append([]string{"--node-name=node-a", "--enable-redirect=false"}, extraFlags...)...)
+}
+
+// startHive runs cells against the test's API server, with a state folder
+// of their own and the gRPC listener on a free loopback port.
+func startHive(t *testing.T, cfg *rest.Config, log *slog.Logger, cells cell.Cell, extraFlags ...string) *k8sAgent {
 	kubeconfig := kubetest.WriteKubeconfig(t, cfg)
 	stateDir, err := os.MkdirTemp("", "mtlsbridge-")
 	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(stateDir) })
 
 	a := &k8sAgent{stateDir: stateDir}
-	h := hive.New(agent.Infrastructure, agent.Cell,
+	h := hive.New(agent.Infrastructure, cells,
 		cell.Invoke(func(d *statedb.DB, e statedb.Table[*enrollment.Enrollment], p statedb.Table[*tables.Policy],
 			pods statedb.Table[*tables.Pod], s *grpcserver.Server) {
 			a.db, a.enrollments, a.policies, a.pods, a.grpc = d, e, p, pods, s
 		}))
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(flags)
-	must(t, flags.Parse(append([]string{"--source=k8s", "--kubeconfig=" + kubeconfig, "--state-dir=" + stateDir, "--node-name=node-a", "--grpc-listen=127.0.0.1:0",
-		"--enable-redirect=false"}, extraFlags...)))
+	must(t, flags.Parse(append([]string{"--source=k8s", "--kubeconfig=" + kubeconfig, "--state-dir=" + stateDir, "--grpc-listen=127.0.0.1:0"}, extraFlags...)))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	must(t, h.Start(log, ctx))

@@ -51,7 +51,7 @@ type Caller struct {
 func (c Caller) Key() string { return c.Namespace + "/" + c.Pod }
 
 // Authenticator decides who calls, and whether they may: only the mTLS
-// agent pod of this node passes. It runs as the gRPC server's tap handle,
+// agent pod of this node passes (in the signer: node agents, see Callers). It runs as the gRPC server's tap handle,
 // on a stream's headers, before the stream exists: nothing a refused
 // caller sends is ever read. Every refusal is logged and counted.
 type Authenticator struct {
@@ -63,6 +63,8 @@ type Authenticator struct {
 	verify    func(ctx context.Context, token string) (Caller, error)
 	// agent tells the pods trusted as their node's mTLS agent.
 	agent func(*tables.Pod) bool
+	// callers: whom the listener serves (the signer's node agents).
+	callers Callers
 	// logs throttles the refusal warnings strangers can cause at will.
 	logs *logthrottle.Throttle
 	// probe asks the API server for a review (Kubernetes mode); probeErr
@@ -88,6 +90,8 @@ type authParams struct {
 	Mode       ingest.Mode
 	Clients    *ingest.Clients
 	Bounds     []MethodBound `group:"grpc-method-bounds"`
+	// Callers is provided in the signer only.
+	Callers Callers `optional:"true"`
 }
 
 // MethodBound limits how many calls of a method are served at once.
@@ -108,7 +112,7 @@ type MethodBoundOut struct {
 
 func newAuthenticator(p authParams) (*Authenticator, error) {
 	a := &Authenticator{log: p.Log, metrics: p.Metrics, localNode: p.LocalNode, db: p.DB, pods: p.Pods,
-		agent: p.Enrollment.MTLSAgent, slots: map[string]chan struct{}{}, logs: logthrottle.New(time.Second)}
+		agent: p.Enrollment.MTLSAgent, callers: p.Callers, slots: map[string]chan struct{}{}, logs: logthrottle.New(time.Second)}
 	for _, b := range p.Bounds {
 		a.slots[b.Method] = make(chan struct{}, b.Concurrent)
 	}
@@ -206,6 +210,9 @@ func (a *Authenticator) authenticate(ctx context.Context, md metadata.MD) (Calle
 // outlives the change checks again (a pod that is no agent any more is
 // cut off, not served until it reconnects).
 func (a *Authenticator) Allowed(txn statedb.ReadTxn, caller Caller) (<-chan struct{}, error) {
+	if len(a.callers.NodeAgents) > 0 {
+		return a.allowedNodeAgent(txn, caller)
+	}
 	pod, _, watch, found := a.pods.GetWatch(txn, tables.PodByKey(caller.Key()))
 	switch {
 	case !found:
@@ -252,8 +259,9 @@ func bearerToken(md metadata.MD) (string, error) {
 	return strings.TrimSpace(token), nil
 }
 
-// tokenFile checks tokens against a file of "TOKEN NAMESPACE/POD" lines,
-// read at every call so that edits apply at once.
+// tokenFile checks tokens against a file of "TOKEN NAMESPACE/POD [NODE]"
+// lines, read at every call so that edits apply at once. NODE is where the
+// pod runs: a signer serves a node agent only with it.
 func tokenFile(path string) func(context.Context, string) (Caller, error) {
 	return func(_ context.Context, token string) (Caller, error) {
 		content, err := os.ReadFile(path)
@@ -263,12 +271,16 @@ func tokenFile(path string) func(context.Context, string) (Caller, error) {
 		scanner := bufio.NewScanner(bytes.NewReader(content))
 		for scanner.Scan() {
 			fields := strings.Fields(scanner.Text())
-			if len(fields) != 2 || strings.HasPrefix(fields[0], "#") {
+			if len(fields) < 2 || len(fields) > 3 || strings.HasPrefix(fields[0], "#") {
 				continue
 			}
 			ns, pod, ok := strings.Cut(fields[1], "/")
 			if ok && subtle.ConstantTimeCompare([]byte(fields[0]), []byte(token)) == 1 {
-				return Caller{Namespace: ns, Pod: pod}, nil
+				caller := Caller{Namespace: ns, Pod: pod}
+				if len(fields) == 3 {
+					caller.Node = fields[2]
+				}
+				return caller, nil
 			}
 		}
 		return Caller{}, refusal(codes.Unauthenticated, "invalid-token", "token not in --token-file")

@@ -144,6 +144,7 @@ func serverTLS(cfg Config, certs ServingCertSource) (*tls.Config, error) {
 	if host != "" && host != "localhost" {
 		hosts = append(hosts, host)
 	}
+	hosts = append(hosts, cfg.GRPCServingNames...)
 	tlsConfig.GetCertificate = func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 		return certs.ServingCertificate(hosts)
 	}

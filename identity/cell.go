@@ -67,6 +67,16 @@ type Config struct {
 	CAReloadInterval time.Duration
 	// CACertificateRetention is how long an expired certificate stays listed.
 	CACertificateRetention time.Duration
+	// CAUpstream is the signer's host:port. When set, certificate requests
+	// this node's CA accepts are signed there, and the node holds no CA
+	// key: its own CA (generated in STATE_DIR/ca) signs only the listener's
+	// certificate.
+	CAUpstream string
+	// CAUpstreamRoots is the file of roots the signer's serving
+	// certificate chains to (the trust domain's roots).
+	CAUpstreamRoots string
+	// CAUpstreamTokenFile is this node agent's token for the signer.
+	CAUpstreamTokenFile string
 }
 
 var defaultConfig = Config{
@@ -85,6 +95,9 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Duration("ca-default-cert-ttl", def.CADefaultCertTTL, "Validity of a workload certificate when none is asked for")
 	flags.Duration("ca-reload-interval", def.CAReloadInterval, "How often CA material is re-read (root rotation)")
 	flags.Duration("ca-certificate-retention", def.CACertificateRetention, "How long expired certificates stay in the certificates table")
+	flags.String("ca-upstream", def.CAUpstream, "host:port of the signer (mtlsbridge signer): certificates are signed there and this node holds no CA key")
+	flags.String("ca-upstream-roots", def.CAUpstreamRoots, "With --ca-upstream: PEM file of the roots of the signer's serving certificate (re-read at each connection)")
+	flags.String("ca-upstream-token-file", def.CAUpstreamTokenFile, "With --ca-upstream: this node agent's bearer token for the signer (re-read at each request)")
 }
 
 func (c Config) validate() error {
@@ -95,6 +108,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("--ca-default-cert-ttl=%s: want between %s and --ca-max-cert-ttl", c.CADefaultCertTTL, minCertTTL)
 	case c.CAReloadInterval <= 0:
 		return fmt.Errorf("--ca-reload-interval must be positive")
+	case c.CAUpstream != "" && c.CADir != "":
+		return fmt.Errorf("--ca-upstream and --ca-dir: with a signer upstream the node holds no CA material")
 	}
 	return nil
 }
@@ -111,6 +126,9 @@ type caParams struct {
 	DB           *statedb.DB
 	Enrollments  statedb.Table[*enrollment.Enrollment]
 	Certificates statedb.RWTable[*Certificate]
+	Lifecycle    cell.Lifecycle
+	// Callers is provided in the signer only.
+	Callers grpcserver.Callers `optional:"true"`
 }
 
 // caServiceOut registers the CA on the gRPC listener and bounds how many
@@ -134,7 +152,18 @@ func newCAService(p caParams) (caServiceOut, error) {
 	s := &caService{
 		cfg: p.Config, trustDomain: p.Enrollment.TrustDomain, localNode: p.LocalNode, log: p.Log,
 		metrics: p.Metrics, authority: p.Authority, db: p.DB,
-		enrollments: p.Enrollments, certificates: p.Certificates,
+		enrollments: p.Enrollments, certificates: p.Certificates, callers: p.Callers,
+	}
+	if p.Config.CAUpstream != "" {
+		if len(p.Callers.NodeAgents) > 0 {
+			return caServiceOut{}, fmt.Errorf("--ca-upstream: the signer signs itself")
+		}
+		up, err := newUpstream(p.Config)
+		if err != nil {
+			return caServiceOut{}, err
+		}
+		s.upstream = up
+		p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { return up.conn.Close() }})
 	}
 	return caServiceOut{
 		Service: s.register,
@@ -178,7 +207,9 @@ func registerLoader(p loaderParams) {
 		l.read = func(context.Context) (*Material, error) {
 			return LoadDir(dir, p.Enrollment.TrustDomain, p.Mode == ingest.Folder)
 		}
-	case p.Mode == ingest.Folder:
+	case p.Mode == ingest.Folder || p.Config.CAUpstream != "":
+		// With a signer upstream, this CA only serves the listener: a key
+		// of this node's own, not the trust domain's.
 		dir = p.StateDir.Path("ca")
 		l.read = func(context.Context) (*Material, error) { return LoadDir(dir, p.Enrollment.TrustDomain, true) }
 	default:

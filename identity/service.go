@@ -21,8 +21,8 @@ import (
 )
 
 // caService answers istio.v1.auth.IstioCertificateService/CreateCertificate
-// for this node's mTLS agent, and for identities of enrolled pods on this
-// node only.
+// for identities of enrolled pods of one node only: in the node agent, for
+// this node's mTLS agent; in the signer, for a node agent, its node's.
 type caService struct {
 	pb.UnimplementedIstioCertificateServiceServer
 
@@ -35,6 +35,10 @@ type caService struct {
 	db           *statedb.DB
 	enrollments  statedb.Table[*enrollment.Enrollment]
 	certificates statedb.RWTable[*Certificate]
+	// callers: the signer's serve node agents, each for its own node.
+	callers grpcserver.Callers
+	// upstream, when set, signs instead of the authority (--ca-upstream).
+	upstream *upstream
 }
 
 func (s *caService) register(srv *grpc.Server) { pb.RegisterIstioCertificateServiceServer(srv, s) }
@@ -50,9 +54,13 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 		s.metrics.Refused.WithLabelValues(ReasonMalformedCSR).Inc()
 		return nil, status.Errorf(codes.InvalidArgument, "%s: csr of %d bytes, a CSR needs at most %d", ReasonMalformedCSR, len(req.GetCsr()), maxCSRBytes)
 	}
+	node := s.localNode.NodeName
+	if len(s.callers.NodeAgents) > 0 {
+		node = caller.Node
+	}
 	csr, id, rerr := CheckRequest(req.GetCsr(), req.GetMetadata(), s.trustDomain)
 	if rerr == nil {
-		rerr = s.checkLocalEnrolled(id)
+		rerr = s.checkEnrolledOn(node, id)
 	}
 	if rerr != nil {
 		s.metrics.Refused.WithLabelValues(rerr.Reason).Inc()
@@ -63,12 +71,18 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 		}
 		return nil, status.Error(code, rerr.Error())
 	}
-	pod, _ := s.localHolder(id.String())
+	pod, _ := s.holder(node, id.String())
 
-	issued, err := s.authority.SignWorkload(csr, id.String(), s.cfg.ttl(req.GetValidityDuration()))
+	ttl := s.cfg.ttl(req.GetValidityDuration())
+	var issued *Issued
+	if s.upstream != nil {
+		issued, err = s.upstream.sign(ctx, req.GetCsr(), csr, id.String(), ttl)
+	} else {
+		issued, err = s.authority.SignWorkload(csr, id.String(), ttl)
+	}
 	if err != nil {
 		s.metrics.Refused.WithLabelValues("ca-unavailable").Inc()
-		s.log.Error("Cannot sign", "identity", id.String(), "error", err)
+		s.log.Error("Cannot sign", "identity", id.String(), "upstream", s.cfg.CAUpstream, "error", err)
 		return nil, status.Error(codes.Unavailable, "ca-unavailable: "+err.Error())
 	}
 	txn := s.db.WriteTxn(s.certificates)
@@ -81,35 +95,48 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 	})
 	txn.Commit()
 	s.metrics.Issued.Inc()
-	s.log.Info("Issued certificate", "identity", id.String(), "pod", pod, "notAfter", issued.Leaf.NotAfter)
+	s.log.Info("Issued certificate", "identity", id.String(), "pod", pod, "node", node, "notAfter", issued.Leaf.NotAfter)
 	return &pb.IstioCertificateResponse{CertChain: issued.ChainPEM}, nil
 }
 
-// localHolder returns an enrolled pod on this node holding the identity.
-func (s *caService) localHolder(id string) (string, bool) {
-	for e := range s.enrollments.List(s.db.ReadTxn(), enrollment.OfThisNode()) {
-		if e.Enrolled && (e.SpiffeID == id || e.IdentitySpiffeID == id) {
+// holder returns an enrolled pod on node holding the identity.
+func (s *caService) holder(node, id string) (string, bool) {
+	txn := s.db.ReadTxn()
+	// The node agent indexes its own node's rows; the signer's are the
+	// cluster's enrolled pods, found by the identity's namespace.
+	rows := s.enrollments.List(txn, enrollment.OfThisNode())
+	if node != s.localNode.NodeName {
+		rows = s.enrollments.All(txn)
+		if parsed, err := spiffe.ParseID(id); err == nil && parsed.Namespace != "" {
+			rows = s.enrollments.Prefix(txn, enrollment.ByKey(parsed.Namespace+"/"))
+		}
+	}
+	for e := range rows {
+		if e.Enrolled && e.Node == node && (e.SpiffeID == id || e.IdentitySpiffeID == id) {
 			return e.Key(), true
 		}
 	}
 	return "", false
 }
 
-// checkLocalEnrolled refuses identities no enrolled pod on this node holds,
-// telling "elsewhere" from "nowhere" where it can.
-func (s *caService) checkLocalEnrolled(id spiffe.ID) *RequestError {
-	if _, ok := s.localHolder(id.String()); ok {
+// checkEnrolledOn refuses identities no enrolled pod on node holds, telling
+// "elsewhere" from "nowhere" where it can.
+func (s *caService) checkEnrolledOn(node string, id spiffe.ID) *RequestError {
+	if node == "" {
+		return refuse(ReasonNotOnThisNode, "the caller's node is not known")
+	}
+	if _, ok := s.holder(node, id.String()); ok {
 		return nil
 	}
 	if id.Namespace != "" {
 		txn := s.db.ReadTxn()
 		for e := range s.enrollments.Prefix(txn, enrollment.ByKey(id.Namespace+"/")) {
 			if e.Enrolled && e.SpiffeID == id.String() {
-				return refuse(ReasonNotOnThisNode, "%s belongs to %s on node %q, not to a pod of this node", id, e.Key(), e.Node)
+				return refuse(ReasonNotOnThisNode, "%s belongs to %s on node %q, not to a pod of node %q", id, e.Key(), e.Node, node)
 			}
 		}
 	}
-	return refuse(ReasonNotEnrolled, "no enrolled pod on this node holds %s", id)
+	return refuse(ReasonNotEnrolled, "no enrolled pod on node %q holds %s", node, id)
 }
 
 // maxCSRBytes is more than any CSR ztunnel sends (an ECDSA P-256 CSR with

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/shell"
 	"github.com/spf13/cobra"
 
@@ -29,19 +30,28 @@ func rootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(agentCmd(), dbCmd(), caCmd(), bypassCmd(), healthCmd(), shellCmd(), versionCmd())
+	root.AddCommand(agentCmd(), signerCmd(), dbCmd(), caCmd(), bypassCmd(), healthCmd(), shellCmd(), versionCmd())
 	return root
 }
 
 func agentCmd() *cobra.Command {
+	return hiveCmd("agent", "Run the node agent", agent.Cell)
+}
+
+func signerCmd() *cobra.Command {
+	return hiveCmd("signer", "Run the signer: the one holder of the CA key, for node agents run with --ca-upstream", agent.SignerCell)
+}
+
+// hiveCmd runs a hive of cells on the infrastructure.
+func hiveCmd(use, short string, cells cell.Cell) *cobra.Command {
 	// Start-up steps are logged at debug level, unless one is slow.
 	opts := hive.DefaultOptions()
 	opts.LogThreshold = 100 * time.Millisecond
-	h := hive.NewWithOptions(opts, agent.Infrastructure, agent.Cell)
+	h := hive.NewWithOptions(opts, agent.Infrastructure, cells)
 	var debugLogs bool
 	cmd := &cobra.Command{
-		Use:   "agent",
-		Short: "Run the node agent",
+		Use:   use,
+		Short: short,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			level := slog.LevelInfo

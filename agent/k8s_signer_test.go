@@ -1,0 +1,162 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package agent_test
+
+import (
+	"crypto/x509"
+	"encoding/pem"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive/hivetest"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	pb "istio.io/api/security/v1alpha1"
+	authnv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/mtlsbridge/mtlsbridge/agent"
+	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+)
+
+// TestKubernetesSigner runs the CA key in the signer alone: node agents
+// with --ca-upstream forward what their mTLS agent may ask, and the signer
+// signs for each node agent only identities of its own node's enrolled
+// pods. Root on node-a, holding node-a's token, gets node-a's identities
+// and no others.
+func TestKubernetesSigner(t *testing.T) {
+	cfg := kubetest.Start(t)
+	kubetest.ApplyCiliumCRDs(t, cfg)
+	ctx := t.Context()
+	kube := kubernetes.NewForConfigOrDie(cfg)
+
+	rootPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
+	must(t, err)
+	_, err = kube.CoreV1().Secrets("kube-system").Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca", Namespace: "kube-system"},
+		Data:       map[string][]byte{identity.CACertFile: rootPEM, identity.CAKeyFile: keyPEM},
+	}, metav1.CreateOptions{})
+	must(t, err)
+	for _, node := range []string{"node-a", "node-b"} {
+		_, err := kube.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: node}}, metav1.CreateOptions{})
+		must(t, err)
+	}
+	createNamespace(t, kube, "app", map[string]string{"io.cilium/mtls-enabled": "true"})
+	for _, sa := range [][2]string{{"kube-system", "ztunnel"}, {"kube-system", "cilium"}, {"app", "web"}, {"app", "api"}} {
+		_, err := kube.CoreV1().ServiceAccounts(sa[0]).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa[1]}}, metav1.CreateOptions{})
+		must(t, err)
+	}
+	ciliumA := createPodAs(t, kube, "kube-system", "cilium-a", "node-a", "cilium", nil, "10.0.1.2")
+	ciliumB := createPodAs(t, kube, "kube-system", "cilium-b", "node-b", "cilium", nil, "10.0.2.2")
+	ztunnelA := createPodAs(t, kube, "kube-system", "ztunnel-a", "node-a", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "127.0.0.1")
+	createPodAs(t, kube, "app", "web", "node-a", "web", nil, "10.0.1.10")
+	createPodAs(t, kube, "app", "api", "node-b", "api", nil, "10.0.2.10")
+	tokenFor := func(pod *corev1.Pod, audience string) string {
+		tr, err := kube.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(ctx, pod.Spec.ServiceAccountName, &authnv1.TokenRequest{
+			Spec: authnv1.TokenRequestSpec{
+				Audiences:      []string{audience},
+				BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
+			},
+		}, metav1.CreateOptions{})
+		must(t, err)
+		return tr.Status.Token
+	}
+	const (
+		webID    = "spiffe://cluster.local/ns/app/sa/web"
+		apiID    = "spiffe://cluster.local/ns/app/sa/api"
+		audience = "mtlsbridge-signer"
+	)
+
+	// Every caller here comes from loopback: one review budget for all.
+	signer := startHive(t, cfg, hivetest.Logger(t), agent.SignerCell, "--node-name=", "--token-audiences="+audience, "--token-review-burst=100")
+	waitEnrolled(t, signer, "app/web")
+	waitEnrolled(t, signer, "app/api")
+	signerAddr := grpcAddr(t, signer)
+
+	// node-a's agent: the roots of the trust domain and its own token.
+	files := t.TempDir()
+	rootsFile, tokenFile := filepath.Join(files, "roots.pem"), filepath.Join(files, "token")
+	must(t, os.WriteFile(rootsFile, rootPEM, 0o600))
+	must(t, os.WriteFile(tokenFile, []byte(tokenFor(ciliumA, audience)), 0o600))
+	nodeA := startAgent(t, cfg, "--ca-upstream="+signerAddr, "--ca-upstream-roots="+rootsFile, "--ca-upstream-token-file="+tokenFile)
+	waitEnrolled(t, nodeA, "app/web")
+
+	// The node's own CA serves its listener only: it is not the trust
+	// domain's root.
+	servingRoot, err := os.ReadFile(filepath.Join(nodeA.stateDir, "ca", identity.CACertFile))
+	for err != nil {
+		time.Sleep(20 * time.Millisecond)
+		servingRoot, err = os.ReadFile(filepath.Join(nodeA.stateDir, "ca", identity.CACertFile))
+	}
+	if string(servingRoot) == string(rootPEM) {
+		t.Fatal("node-a holds the trust domain's root")
+	}
+
+	viaNode := caClient(t, nodeA, "")
+	resp, err := requestCert(t, viaNode, tokenFor(ztunnelA, "istio-ca"), webID)
+	if err != nil {
+		t.Fatalf("node-a's mTLS agent asking for web through node-a: %v", err)
+	}
+	leafVerifies(t, resp, rootPEM, webID)
+	if _, err := requestCert(t, viaNode, tokenFor(ztunnelA, "istio-ca"), apiID); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("node-a's mTLS agent asking for api (node-b): %v, want PermissionDenied", err)
+	}
+
+	// What root on a node can do with its node agent's token: ask the
+	// signer directly.
+	direct := grpcClient(t, signerAddr, rootPEM)
+	if resp, err := requestCert(t, direct, tokenFor(ciliumB, audience), apiID); err != nil {
+		t.Errorf("node-b's agent asking for api (node-b): %v", err)
+	} else {
+		leafVerifies(t, resp, rootPEM, apiID)
+	}
+	for name, tc := range map[string]struct {
+		token, id, reason string
+		code              codes.Code
+	}{
+		"node-a's agent for node-b's identity": {tokenFor(ciliumA, audience), apiID, identity.ReasonNotOnThisNode, codes.PermissionDenied},
+		"an mTLS agent, not a node agent":      {tokenFor(ztunnelA, audience), webID, "not a node agent's", codes.PermissionDenied},
+		"node-a's token for the node's CA":     {tokenFor(ciliumA, "istio-ca"), webID, audience, codes.Unauthenticated},
+	} {
+		if _, err := requestCert(t, direct, tc.token, tc.id); status.Code(err) != tc.code || !strings.Contains(err.Error(), tc.reason) {
+			t.Errorf("%s: got %v, want %s (%s)", name, err, tc.code, tc.reason)
+		}
+	}
+
+	// A signer that refuses is an error the mTLS agent sees, not a
+	// certificate of the node's own CA.
+	// (Every caller of the signer here shares loopback's budget of
+	// reviews, spent by the steps above: wait for it.)
+	must(t, os.WriteFile(tokenFile, []byte(tokenFor(ztunnelA, audience)), 0o600))
+	_, err = requestCert(t, viaNode, tokenFor(ztunnelA, "istio-ca"), webID)
+	for i := 0; i < 20 && strings.Contains(fmt.Sprint(err), "too many token reviews"); i++ {
+		time.Sleep(250 * time.Millisecond)
+		_, err = requestCert(t, viaNode, tokenFor(ztunnelA, "istio-ca"), webID)
+	}
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "not a node agent's") {
+		t.Errorf("node-a forwarding with a token the signer refuses: %v, want Unavailable naming the refusal", err)
+	}
+}
+
+// leafVerifies checks that a CA answer's leaf is id's and chains to root.
+func leafVerifies(t *testing.T, resp *pb.IstioCertificateResponse, rootPEM []byte, id string) {
+	t.Helper()
+	block, _ := pem.Decode([]byte(resp.CertChain[0]))
+	leaf, err := x509.ParseCertificate(block.Bytes)
+	must(t, err)
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(rootPEM)
+	if _, err := leaf.Verify(x509.VerifyOptions{Roots: pool, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil || leaf.URIs[0].String() != id {
+		t.Fatalf("leaf %v does not verify as %s against the trust domain's root: %v", leaf.URIs, id, err)
+	}
+	if last := resp.CertChain[len(resp.CertChain)-1]; !strings.Contains(last, strings.TrimSpace(string(rootPEM))) {
+		t.Errorf("the chain's roots do not hold the trust domain's root")
+	}
+}
