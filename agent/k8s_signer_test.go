@@ -90,10 +90,10 @@ func TestKubernetesSigner(t *testing.T) {
 
 	// The node's own CA serves its listener only: it is not the trust
 	// domain's root.
-	servingRoot, err := os.ReadFile(filepath.Join(nodeA.stateDir, "ca", identity.CACertFile))
+	servingRoot, err := os.ReadFile(filepath.Join(nodeA.stateDir, "serving-ca", identity.CACertFile))
 	for err != nil {
 		time.Sleep(20 * time.Millisecond)
-		servingRoot, err = os.ReadFile(filepath.Join(nodeA.stateDir, "ca", identity.CACertFile))
+		servingRoot, err = os.ReadFile(filepath.Join(nodeA.stateDir, "serving-ca", identity.CACertFile))
 	}
 	if string(servingRoot) == string(rootPEM) {
 		t.Fatal("node-a holds the trust domain's root")
@@ -117,13 +117,16 @@ func TestKubernetesSigner(t *testing.T) {
 	} else {
 		leafVerifies(t, resp, rootPEM, apiID)
 	}
+	nodeAToken := tokenFor(ciliumA, audience) // one review, then cached
 	for name, tc := range map[string]struct {
 		token, id, reason string
 		code              codes.Code
 	}{
-		"node-a's agent for node-b's identity": {tokenFor(ciliumA, audience), apiID, identity.ReasonNotOnThisNode, codes.PermissionDenied},
+		"node-a's agent for node-b's identity": {nodeAToken, apiID, identity.ReasonNotOnThisNode, codes.PermissionDenied},
 		"an mTLS agent, not a node agent":      {tokenFor(ztunnelA, audience), webID, "not a node agent's", codes.PermissionDenied},
 		"node-a's token for the node's CA":     {tokenFor(ciliumA, "istio-ca"), webID, audience, codes.Unauthenticated},
+		// Cilium identities are what nodes write in CiliumEndpoints.
+		"node-a's agent for a Cilium identity": {nodeAToken, "spiffe://cluster.local/identity/4242", identity.ReasonIdentityScheme, codes.PermissionDenied},
 	} {
 		if _, err := requestCert(t, direct, tc.token, tc.id); status.Code(err) != tc.code || !strings.Contains(err.Error(), tc.reason) {
 			t.Errorf("%s: got %v, want %s (%s)", name, err, tc.code, tc.reason)
@@ -140,7 +143,7 @@ func TestKubernetesSigner(t *testing.T) {
 		time.Sleep(250 * time.Millisecond)
 		_, err = requestCert(t, viaNode, tokenFor(ztunnelA, "istio-ca"), webID)
 	}
-	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "not a node agent's") {
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), identity.ReasonUpstreamRefused) || !strings.Contains(err.Error(), "not a node agent's") {
 		t.Errorf("node-a forwarding with a token the signer refuses: %v, want Unavailable naming the refusal", err)
 	}
 }

@@ -259,9 +259,8 @@ func bearerToken(md metadata.MD) (string, error) {
 	return strings.TrimSpace(token), nil
 }
 
-// tokenFile checks tokens against a file of "TOKEN NAMESPACE/POD [NODE]"
-// lines, read at every call so that edits apply at once. NODE is where the
-// pod runs: a signer serves a node agent only with it.
+// tokenFile checks tokens against a file of "TOKEN NAMESPACE/POD" lines,
+// read at every call so that edits apply at once.
 func tokenFile(path string) func(context.Context, string) (Caller, error) {
 	return func(_ context.Context, token string) (Caller, error) {
 		content, err := os.ReadFile(path)
@@ -271,16 +270,12 @@ func tokenFile(path string) func(context.Context, string) (Caller, error) {
 		scanner := bufio.NewScanner(bytes.NewReader(content))
 		for scanner.Scan() {
 			fields := strings.Fields(scanner.Text())
-			if len(fields) < 2 || len(fields) > 3 || strings.HasPrefix(fields[0], "#") {
+			if len(fields) != 2 || strings.HasPrefix(fields[0], "#") {
 				continue
 			}
 			ns, pod, ok := strings.Cut(fields[1], "/")
 			if ok && subtle.ConstantTimeCompare([]byte(fields[0]), []byte(token)) == 1 {
-				caller := Caller{Namespace: ns, Pod: pod}
-				if len(fields) == 3 {
-					caller.Node = fields[2]
-				}
-				return caller, nil
+				return Caller{Namespace: ns, Pod: pod}, nil
 			}
 		}
 		return Caller{}, refusal(codes.Unauthenticated, "invalid-token", "token not in --token-file")

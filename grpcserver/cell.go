@@ -47,8 +47,8 @@ type Config struct {
 	// GRPCServingNames are more DNS names for the certificate the CA
 	// issues: the signer's Service.
 	GRPCServingNames []string
-	// TokenFile holds "TOKEN NAMESPACE/POD [NODE]" lines: the callers of
-	// the manifest-folder mode. Kubernetes mode uses TokenReview instead.
+	// TokenFile holds "TOKEN NAMESPACE/POD" lines: the callers of the
+	// manifest-folder mode. Kubernetes mode uses TokenReview instead.
 	TokenFile string
 	// TokenAudiences are the audiences a TokenReview accepts (ztunnel's
 	// default token audience is istio-ca).
@@ -78,7 +78,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("grpc-cert", def.GRPCCert, "Serving certificate (PEM) of the gRPC listener; default: issued by the mtlsbridge CA")
 	flags.String("grpc-key", def.GRPCKey, "Private key (PEM) of --grpc-cert")
 	flags.StringSlice("grpc-serving-names", def.GRPCServingNames, "More DNS names in the serving certificate the CA issues (the signer's Service name)")
-	flags.String("token-file", def.TokenFile, `Folder mode: file of "TOKEN NAMESPACE/POD [NODE]" lines naming the callers' pods (and, for the signer, their node)`)
+	flags.String("token-file", def.TokenFile, `Folder mode: file of "TOKEN NAMESPACE/POD" lines naming the callers' pods`)
 	flags.StringSlice("token-audiences", def.TokenAudiences, "Kubernetes mode: audiences accepted in TokenReview")
 	flags.Int("grpc-max-message-bytes", def.GRPCMaxMessageBytes, "Largest gRPC message received or sent (xDS reconnects carry every held resource name)")
 	flags.Int("grpc-max-connections", def.GRPCMaxConnections, "Connections the gRPC listener serves at once")

@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/pflag"
 	pb "istio.io/api/security/v1alpha1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
@@ -127,6 +128,7 @@ type caParams struct {
 	Enrollments  statedb.Table[*enrollment.Enrollment]
 	Certificates statedb.RWTable[*Certificate]
 	Lifecycle    cell.Lifecycle
+	Clients      *ingest.Clients
 	// Callers is provided in the signer only.
 	Callers grpcserver.Callers `optional:"true"`
 }
@@ -138,6 +140,8 @@ type caServiceOut struct {
 
 	Service grpcserver.Service     `group:"grpc-services"`
 	Bound   grpcserver.MethodBound `group:"grpc-method-bounds"`
+	// Check warns while the last request forwarded to the signer failed.
+	Check api.Check `group:"readiness-checks"`
 }
 
 // concurrentRequests bounds the certificate requests read at once: the
@@ -158,7 +162,11 @@ func newCAService(p caParams) (caServiceOut, error) {
 		if len(p.Callers.NodeAgents) > 0 {
 			return caServiceOut{}, fmt.Errorf("--ca-upstream: the signer signs itself")
 		}
-		up, err := newUpstream(p.Config)
+		var kube kubernetes.Interface
+		if p.Clients != nil {
+			kube = p.Clients.Kube
+		}
+		up, err := newUpstream(p.Config, kube)
 		if err != nil {
 			return caServiceOut{}, err
 		}
@@ -166,6 +174,12 @@ func newCAService(p caParams) (caServiceOut, error) {
 		p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { return up.conn.Close() }})
 	}
 	return caServiceOut{
+		Check: api.Check{Name: "ca-upstream", Warning: true, Err: func() error {
+			if s.upstream == nil {
+				return nil
+			}
+			return s.upstream.lastErr()
+		}},
 		Service: s.register,
 		Bound:   grpcserver.MethodBound{Method: pb.IstioCertificateService_CreateCertificate_FullMethodName, Concurrent: concurrentRequests},
 	}, nil
@@ -207,9 +221,13 @@ func registerLoader(p loaderParams) {
 		l.read = func(context.Context) (*Material, error) {
 			return LoadDir(dir, p.Enrollment.TrustDomain, p.Mode == ingest.Folder)
 		}
-	case p.Mode == ingest.Folder || p.Config.CAUpstream != "":
+	case p.Config.CAUpstream != "":
 		// With a signer upstream, this CA only serves the listener: a key
-		// of this node's own, not the trust domain's.
+		// of this node's own, apart from STATE_DIR/ca, where folder mode
+		// keeps the trust domain's.
+		dir = p.StateDir.Path("serving-ca")
+		l.read = func(context.Context) (*Material, error) { return LoadDir(dir, p.Enrollment.TrustDomain, true) }
+	case p.Mode == ingest.Folder:
 		dir = p.StateDir.Path("ca")
 		l.read = func(context.Context) (*Material, error) { return LoadDir(dir, p.Enrollment.TrustDomain, true) }
 	default:

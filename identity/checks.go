@@ -28,6 +28,7 @@ const (
 	ReasonNotOnThisNode         = "identity-not-on-this-node"
 	ReasonNotEnrolled           = "identity-not-enrolled"
 	ReasonReservedIdentity      = "reserved-identity"
+	ReasonIdentityScheme        = "identity-scheme-not-signed"
 )
 
 // RequestError is a refused request: the reason label and what to tell the

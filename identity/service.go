@@ -4,6 +4,7 @@ package identity
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -54,12 +55,19 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 		s.metrics.Refused.WithLabelValues(ReasonMalformedCSR).Inc()
 		return nil, status.Errorf(codes.InvalidArgument, "%s: csr of %d bytes, a CSR needs at most %d", ReasonMalformedCSR, len(req.GetCsr()), maxCSRBytes)
 	}
-	node := s.localNode.NodeName
-	if len(s.callers.NodeAgents) > 0 {
+	node, signer := s.localNode.NodeName, len(s.callers.NodeAgents) > 0
+	if signer {
 		node = caller.Node
 	}
 	csr, id, rerr := CheckRequest(req.GetCsr(), req.GetMetadata(), s.trustDomain)
-	if rerr == nil {
+	switch {
+	case rerr != nil:
+	case signer && id.CiliumIdentity != 0:
+		// A pod's Cilium identity comes from its CiliumEndpoint, which
+		// every node's Cilium may write: the node would choose it.
+		rerr = refuse(ReasonIdentityScheme, "the signer signs spiffe://TD/ns/NS/sa/SA identities only, not %s: "+
+			"a pod's Cilium identity is what its node's Cilium writes in its CiliumEndpoint", id)
+	default:
 		rerr = s.checkEnrolledOn(node, id)
 	}
 	if rerr != nil {
@@ -81,9 +89,14 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 		issued, err = s.authority.SignWorkload(csr, id.String(), ttl)
 	}
 	if err != nil {
-		s.metrics.Refused.WithLabelValues("ca-unavailable").Inc()
-		s.log.Error("Cannot sign", "identity", id.String(), "upstream", s.cfg.CAUpstream, "error", err)
-		return nil, status.Error(codes.Unavailable, "ca-unavailable: "+err.Error())
+		reason := "ca-unavailable"
+		var upErr *upstreamError
+		if errors.As(err, &upErr) {
+			reason = upErr.reason
+		}
+		s.metrics.Refused.WithLabelValues(reason).Inc()
+		s.log.Error("Cannot sign", "identity", id.String(), "reason", reason, "upstream", s.cfg.CAUpstream, "error", err)
+		return nil, status.Error(codes.Unavailable, reason+": "+err.Error())
 	}
 	txn := s.db.WriteTxn(s.certificates)
 	recordIssued(txn, s.certificates, &Certificate{

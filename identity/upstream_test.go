@@ -1,0 +1,197 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package identity
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	pb "istio.io/api/security/v1alpha1"
+
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+)
+
+// A signer named as a Service is found at its ready endpoints, as the API
+// server lists them: those of every slice of the Service, none of another
+// Service's, none not ready. (The API server refuses loopback addresses in
+// a slice, so these are names, which are never dialed here.)
+func TestReadyEndpoints(t *testing.T) {
+	kube := kubernetes.NewForConfigOrDie(kubetest.Start(t))
+	ready, notReady := true, false
+	slice := func(name, service string, endpoints ...discoveryv1.Endpoint) {
+		_, err := kube.DiscoveryV1().EndpointSlices("kube-system").Create(t.Context(), &discoveryv1.EndpointSlice{
+			ObjectMeta:  metav1.ObjectMeta{Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: service}},
+			AddressType: discoveryv1.AddressTypeFQDN,
+			Endpoints:   endpoints,
+		}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	slice("signer-1", "mtlsbridge-signer",
+		discoveryv1.Endpoint{Addresses: []string{"signer-0.example"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}},
+		discoveryv1.Endpoint{Addresses: []string{"terminating.example"}, Conditions: discoveryv1.EndpointConditions{Ready: &notReady}})
+	slice("signer-2", "mtlsbridge-signer",
+		discoveryv1.Endpoint{Addresses: []string{"signer-1.example"}})
+	slice("other-1", "mtlsbridge-signer-old",
+		discoveryv1.Endpoint{Addresses: []string{"other.example"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}})
+
+	got, err := readyEndpoints(t.Context(), kube, "kube-system", "mtlsbridge-signer")
+	slices.Sort(got)
+	if err != nil || !slices.Equal(got, []string{"signer-0.example", "signer-1.example"}) {
+		t.Errorf("ready endpoints %v (%v), want signer-0.example and signer-1.example", got, err)
+	}
+	if _, err := readyEndpoints(t.Context(), kube, "kube-system", "none"); err == nil || !strings.Contains(err.Error(), "no ready endpoint") {
+		t.Errorf("a Service without endpoints: %v", err)
+	}
+}
+
+// testSigner is a signer on loopback over TLS whose answers the test
+// chooses, serving with a certificate of ca.
+type testSigner struct {
+	pb.UnimplementedIstioCertificateServiceServer
+	answer func(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error)
+}
+
+func (s *testSigner) CreateCertificate(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
+	return s.answer(ctx, req)
+}
+
+func newTestAuthority(t *testing.T) (*Authority, []byte) {
+	certPEM, keyPEM, err := NewRootMaterial("cluster.local", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := ParseMaterial(certPEM, keyPEM, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := &Authority{}
+	a.Set(m, nil)
+	return a, certPEM
+}
+
+func serveTestSigner(t *testing.T, serving *Authority, s *testSigner) string {
+	cert, err := serving.ServingCertificate([]string{"127.0.0.1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{*cert}})))
+	pb.RegisterIstioCertificateServiceServer(srv, s)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(l)
+	t.Cleanup(srv.Stop)
+	return l.Addr().String()
+}
+
+// A node agent takes from the signer only the certificate it asked for:
+// the identity, the key, through the roots it trusts, from a signer
+// whose certificate chains to them. Each failure is counted by what it
+// was.
+func TestUpstreamChecksTheAnswer(t *testing.T) {
+	const id, other = "spiffe://cluster.local/ns/app/sa/web", "spiffe://cluster.local/ns/app/sa/api"
+	ca, rootPEM := newTestAuthority(t)
+	stranger, _ := newTestAuthority(t)
+	files := t.TempDir()
+	rootsFile, tokenFile := filepath.Join(files, "roots.pem"), filepath.Join(files, "token")
+	if err := os.WriteFile(rootsFile, rootPEM, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(tokenFile, []byte("node-token\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	csrFor := func(san string) (string, *x509.CertificateRequest) {
+		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		u, _ := url.Parse(san)
+		der, _ := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{u}}, key)
+		csr, _ := x509.ParseCertificateRequest(der)
+		return string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})), csr
+	}
+	csrPEM, csr := csrFor(id)
+	_, otherCSR := csrFor(id)
+	signed := func(by *Authority, c *x509.CertificateRequest, san string) (*pb.IstioCertificateResponse, error) {
+		issued, err := by.SignWorkload(c, san, time.Hour)
+		if err != nil {
+			return nil, err
+		}
+		return &pb.IstioCertificateResponse{CertChain: issued.ChainPEM}, nil
+	}
+
+	for name, tc := range map[string]struct {
+		serving *Authority
+		answer  func() (*pb.IstioCertificateResponse, error)
+		reason  string
+	}{
+		"the certificate asked for": {ca, func() (*pb.IstioCertificateResponse, error) { return signed(ca, csr, id) }, ""},
+		"another identity":          {ca, func() (*pb.IstioCertificateResponse, error) { return signed(ca, csr, other) }, ReasonUpstreamBadAnswer},
+		"another key":               {ca, func() (*pb.IstioCertificateResponse, error) { return signed(ca, otherCSR, id) }, ReasonUpstreamBadAnswer},
+		"another CA's leaf":         {ca, func() (*pb.IstioCertificateResponse, error) { return signed(stranger, csr, id) }, ReasonUpstreamBadAnswer},
+		"a leaf without roots": {ca, func() (*pb.IstioCertificateResponse, error) {
+			r, err := signed(ca, csr, id)
+			r.CertChain = r.CertChain[:1]
+			return r, err
+		}, ReasonUpstreamBadAnswer},
+		"a refusal":   {ca, func() (*pb.IstioCertificateResponse, error) { return nil, status.Error(codes.PermissionDenied, "no") }, ReasonUpstreamRefused},
+		"unavailable": {ca, func() (*pb.IstioCertificateResponse, error) { return nil, status.Error(codes.Unavailable, "busy") }, ReasonUpstreamUnreachable},
+		"a signer serving with another CA's certificate": {stranger, func() (*pb.IstioCertificateResponse, error) { return signed(stranger, csr, id) }, ReasonUpstreamUnreachable},
+	} {
+		t.Run(name, func(t *testing.T) {
+			var got *pb.IstioCertificateRequest
+			var token []string
+			addr := serveTestSigner(t, tc.serving, &testSigner{answer: func(ctx context.Context, req *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
+				got = req
+				md, _ := metadata.FromIncomingContext(ctx)
+				token = md.Get("authorization")
+				return tc.answer()
+			}})
+			up, err := newUpstream(Config{CAUpstream: addr, CAUpstreamRoots: rootsFile, CAUpstreamTokenFile: tokenFile}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer up.conn.Close()
+			issued, err := up.sign(t.Context(), csrPEM, csr, id, 2*time.Hour)
+			var upErr *upstreamError
+			switch {
+			case tc.reason == "" && (err != nil || issued.Leaf.URIs[0].String() != id):
+				t.Fatalf("sign: %v", err)
+			case tc.reason != "" && (!errors.As(err, &upErr) || upErr.reason != tc.reason):
+				t.Fatalf("sign: %v, want %s", err, tc.reason)
+			case tc.reason != "" && !errors.Is(up.lastErr(), err):
+				t.Errorf("the readiness warning says %v, want %v", up.lastErr(), err)
+			}
+			if tc.serving != ca {
+				return // refused at the handshake: nothing was asked
+			}
+			if got == nil || got.Csr != csrPEM || got.ValidityDuration != 7200 ||
+				got.Metadata.GetFields()["ImpersonatedIdentity"].GetStringValue() != id || !slices.Equal(token, []string{"Bearer node-token"}) {
+				t.Errorf("the signer was asked %+v with %v", got, token)
+			}
+		})
+	}
+}
