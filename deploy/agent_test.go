@@ -32,9 +32,11 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	pb "istio.io/api/security/v1alpha1"
+	appsv1 "k8s.io/api/apps/v1"
 	authnv1 "k8s.io/api/authentication/v1"
 	authzv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -106,22 +108,28 @@ type cluster struct {
 	bin      string // folder with mtlsbridge and mtlsbridge-cni
 	// The sidecar as Cilium's chart renders it with the shipped values.
 	sidecar *corev1.Container
-	apiAddr string // the API server, as seen from inside the node
-	kubecfg string // the sidecar's credentials: a token of kube-system/cilium only
-	token   *rest.Config
+	// sidecarVolumes are the Cilium pod's volumes.
+	sidecarVolumes []corev1.Volume
+	apiAddr        string // the API server, as seen from inside the node
+	kubecfg        string // the sidecar's credentials: a token of kube-system/cilium only
+	token          *rest.Config
 	// The current run's bpffs folder (each run starts without pins, so that
-	// it must load and attach the programs itself) and the CA folder (the
-	// Secret of create-ca-secret.sh as the kubelet mounts it).
+	// it must load and attach the programs itself).
 	bpfRoot string
-	caDir   string
-	secret  *corev1.Secret
+	// The CA of create-ca-secret.sh, the signer's; the sidecar's files as
+	// the kubelet mounts them: the roots ConfigMap's and its token for the
+	// signer.
+	secret      *corev1.Secret
+	rootsFile   string
+	signerToken string
 }
 
 func newCluster(t *testing.T) *cluster {
 	t.Helper()
 	netnstest.RequirePrivileged(t)
 	c := &cluster{t: t}
-	_, c.sidecar = ciliumDaemonSet(t, renderCilium(t))
+	ds, sidecar := ciliumDaemonSet(t, renderCilium(t))
+	c.sidecar, c.sidecarVolumes = sidecar, ds.Spec.Template.Spec.Volumes
 
 	nodeA, nodeB := netnstest.NewNodes(t)
 	// Its uplink is a veth, as a kind node's eth0, with the default route:
@@ -137,7 +145,8 @@ func newCluster(t *testing.T) *cluster {
 	c.admin = kubernetes.NewForConfigOrDie(c.srv.Config)
 	dyn := dynamic.NewForConfigOrDie(c.srv.Config)
 	ctx := t.Context()
-	installShipped(t, c.srv.Config, c.admin, "kubernetes/mtlsbridge-rbac.yaml", "kubernetes/mtlsbridge-admission-policy.yaml")
+	installShipped(t, c.srv.Config, c.admin, "kubernetes/mtlsbridge-rbac.yaml", "kubernetes/mtlsbridge-admission-policy.yaml",
+		"kubernetes/mtlsbridge-signer.yaml")
 	c.role = typed[rbacv1.ClusterRole](t, find(t, readFile(t, "kubernetes/mtlsbridge-rbac.yaml"), "ClusterRole", "mtlsbridge"))
 
 	// The node, provisioned with mtlsbridge's readiness taint.
@@ -200,9 +209,87 @@ func newCluster(t *testing.T) *cluster {
 	c.token = tokenConfig(t, c.srv.Config, c.admin, cilium)
 	c.kubecfg = sidecarKubeconfig(t, c.token, "https://"+c.apiAddr)
 	c.bin = buildAgent(t)
-	c.secret = createCASecret(t, "cluster.local")
-	c.caDir = writeSecretDir(t, c.secret)
+	c.startSigner(t, cilium)
 	return c
+}
+
+// startSigner runs the signer as its Deployment does, in the node's
+// namespace at the node's address (as if its pod were there), named by its
+// Service's EndpointSlice; and writes the sidecar's files for it: the
+// roots, and its pod's token with the audience of the values' volume.
+func (c *cluster) startSigner(t *testing.T, cilium *corev1.Pod) {
+	t.Helper()
+	ctx := t.Context()
+	var roots *corev1.ConfigMap
+	c.secret, roots = createCAObjects(t, "cluster.local")
+	c.rootsFile = filepath.Join(t.TempDir(), "roots.pem")
+	must(t, os.WriteFile(c.rootsFile, []byte(roots.Data["roots.pem"]), 0o444))
+	audience := ""
+	for _, v := range c.sidecarVolumes {
+		if v.Name == "mtlsbridge-signer-token" {
+			audience = v.Projected.Sources[0].ServiceAccountToken.Audience
+		}
+	}
+	tr, err := c.admin.CoreV1().ServiceAccounts(ciliumNS).CreateToken(ctx, ciliumAccount, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences:      []string{audience},
+		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: cilium.Name, UID: cilium.UID},
+	}}, metav1.CreateOptions{})
+	must(t, err)
+	c.signerToken = filepath.Join(t.TempDir(), "token")
+	must(t, os.WriteFile(c.signerToken, []byte(tr.Status.Token), 0o400))
+
+	deployment := typed[appsv1.Deployment](t, find(t, readFile(t, "kubernetes/mtlsbridge-signer.yaml"), "Deployment", "mtlsbridge-signer"))
+	account := deployment.Spec.Template.Spec.ServiceAccountName
+	signerTR, err := c.admin.CoreV1().ServiceAccounts(ciliumNS).CreateToken(ctx, account,
+		&authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
+	must(t, err)
+	kubeconfig := sidecarKubeconfig(t, &rest.Config{BearerToken: signerTR.Status.Token, TLSClientConfig: rest.TLSClientConfig{CAData: c.srv.Config.CAData}}, "https://"+c.apiAddr)
+	stateDir, err := os.MkdirTemp("", "mtlsb-signer-")
+	must(t, err)
+	t.Cleanup(func() { os.RemoveAll(stateDir) })
+	args := signerArgs(t, deployment, map[string]string{
+		"--state-dir":             stateDir,
+		"--ca-dir":                writeSecretDir(t, c.secret),
+		"--grpc-listen":           net.JoinHostPort(c.node.Addr4.String(), "15012"),
+		"--prometheus-serve-addr": "127.0.0.1:0",
+		"--health-serve-addr":     "127.0.0.1:0",
+	})
+	signer := c.runInNode(t, "signer", append([]string{filepath.Join(c.bin, "mtlsbridge")}, append(args, "--kubeconfig="+kubeconfig)...), nil)
+	signer.stateDir = stateDir
+	waitFor(t, signer, "the signer's readiness", func() error {
+		out, err := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "health", "--state-dir="+stateDir).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%v: %s", err, out)
+		}
+		return nil
+	})
+
+	ready := true
+	_, err = c.admin.DiscoveryV1().EndpointSlices(ciliumNS).Create(ctx, &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: "mtlsbridge-signer-node-a", Labels: map[string]string{discoveryv1.LabelServiceName: "mtlsbridge-signer"}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{c.node.Addr4.String()}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}}},
+		Ports:       []discoveryv1.EndpointPort{{Name: new("grpc"), Port: new(int32(15012))}},
+	}, metav1.CreateOptions{})
+	must(t, err)
+}
+
+// signerArgs are the signer container's args with the values of override.
+func signerArgs(t *testing.T, deployment *appsv1.Deployment, override map[string]string) []string {
+	t.Helper()
+	var args []string
+	for _, a := range deployment.Spec.Template.Spec.Containers[0].Args {
+		name, _, _ := strings.Cut(a, "=")
+		if v, ok := override[name]; ok {
+			a = name + "=" + v
+			delete(override, name)
+		}
+		args = append(args, a)
+	}
+	if len(override) > 0 {
+		t.Fatalf("the signer's args lack %v", override)
+	}
+	return args
 }
 
 // sidecarKubeconfig writes the credentials the sidecar has in a cluster:
@@ -246,11 +333,12 @@ func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []s
 	t.Helper()
 	args := []string{filepath.Join(c.bin, "mtlsbridge")}
 	override := map[string]string{
-		"--state-dir":    stateDir,
-		"--bpf-root":     c.bpfRoot,
-		"--ca-dir":       c.caDir,
-		"--cni-conf-dir": cniConf,
-		"--cni-bin-dir":  cniBin,
+		"--state-dir":              stateDir,
+		"--bpf-root":               c.bpfRoot,
+		"--ca-upstream-roots":      c.rootsFile,
+		"--ca-upstream-token-file": c.signerToken,
+		"--cni-conf-dir":           cniConf,
+		"--cni-bin-dir":            cniBin,
 	}
 	for _, a := range c.sidecar.Args {
 		name, _, _ := strings.Cut(a, "=")
@@ -264,10 +352,18 @@ func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []s
 		t.Fatalf("the sidecar's args lack %v", override)
 	}
 	args = append(args, "--kubeconfig="+c.kubecfg, "--bypass-check-interval=1s")
+	r := c.runInNode(t, "agent", args, caps)
+	r.stateDir, r.cniConf, r.cniBin = stateDir, cniConf, cniBin
+	return r
+}
 
-	spec, err := json.Marshal(execSpec{Netns: "/run/netns/" + c.node.Name, Caps: caps, Argv: args})
+// runInNode runs argv in the node's namespace with exactly caps, logging
+// to a file of its own, until the test ends.
+func (c *cluster) runInNode(t *testing.T, name string, argv, caps []string) *agentRun {
+	t.Helper()
+	spec, err := json.Marshal(execSpec{Netns: "/run/netns/" + c.node.Name, Caps: caps, Argv: argv})
 	must(t, err)
-	r := &agentRun{log: filepath.Join(t.TempDir(), "agent.log"), stateDir: stateDir, cniConf: cniConf, cniBin: cniBin, done: make(chan struct{})}
+	r := &agentRun{log: filepath.Join(t.TempDir(), name+".log"), done: make(chan struct{})}
 	logFile, err := os.Create(r.log)
 	must(t, err)
 	r.cmd = exec.Command(os.Args[0])
@@ -280,7 +376,7 @@ func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []s
 		r.stop()
 		if t.Failed() {
 			b, _ := os.ReadFile(r.log)
-			t.Logf("agent log:\n%s", b[max(0, len(b)-32<<10):])
+			t.Logf("%s log:\n%s", name, b[max(0, len(b)-32<<10):])
 		}
 	})
 	return r
@@ -805,6 +901,18 @@ func TestAgentNeedsEachGrant(t *testing.T) {
 				t.Errorf("certificate request without TokenReview: %v, want refused, naming forbidden", err)
 			}
 			logSays(t, r, "forbidden", "tokenreviews")
+		}},
+		{name: "list endpointslices", without: []permission{{"discovery.k8s.io", "endpointslices", "list"}}, check: func(t *testing.T, r *agentRun) {
+			// The signer cannot be found: the mTLS agent is told so, and
+			// readiness warns.
+			waitFor(t, r, "the trust bundle", func() error {
+				_, err := os.Stat(filepath.Join(r.stateDir, "ca", identity.RootCertFile))
+				return err
+			})
+			if _, err := c.caRequest(t, r); err == nil || !strings.Contains(err.Error(), identity.ReasonUpstreamUnreachable) || !strings.Contains(err.Error(), "forbidden") {
+				t.Errorf("certificate request without the signer's endpoints: %v, want refused as %s, naming forbidden", err, identity.ReasonUpstreamUnreachable)
+			}
+			healthSays(t, c, r, `"ca-upstream"`, "forbidden")
 		}},
 		{name: "watch ciliumendpoints", without: []permission{{"cilium.io", "ciliumendpoints", "watch"}, {"cilium.io", "ciliumendpoints", "list"}},
 			check: func(t *testing.T, r *agentRun) {

@@ -9,14 +9,15 @@ import (
 	"path/filepath"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/mtlsbridge/mtlsbridge/identity"
 )
 
-// createCASecret runs deploy/create-ca-secret.sh and returns the Secret it
-// prints.
-func createCASecret(t *testing.T, trustDomain string) *corev1.Secret {
+// createCAObjects runs deploy/create-ca-secret.sh and returns the Secret
+// and the roots ConfigMap it prints.
+func createCAObjects(t *testing.T, trustDomain string) (*corev1.Secret, *corev1.ConfigMap) {
 	t.Helper()
 	out, err := exec.Command("./create-ca-secret.sh", trustDomain).Output()
 	if err != nil {
@@ -28,10 +29,10 @@ func createCASecret(t *testing.T, trustDomain string) *corev1.Secret {
 	}
 	objs, err := parseYAML(out)
 	must(t, err)
-	if len(objs) != 1 {
-		t.Fatalf("create-ca-secret.sh printed %d objects, want one Secret", len(objs))
+	if len(objs) != 2 {
+		t.Fatalf("create-ca-secret.sh printed %d objects, want a Secret and a ConfigMap", len(objs))
 	}
-	return typed[corev1.Secret](t, objs[0])
+	return typed[corev1.Secret](t, objs[0]), typed[corev1.ConfigMap](t, objs[1])
 }
 
 // writeSecretDir writes a Secret's keys as files, as the kubelet mounts a
@@ -46,11 +47,20 @@ func writeSecretDir(t *testing.T, s *corev1.Secret) string {
 }
 
 // TestCreateCASecret: the script's Secret is CA material the agent loads,
-// named for the trust domain, in the namespace and name the values mount.
+// named for the trust domain, in the namespace and name the signer mounts;
+// its ConfigMap holds the root alone, named as the values mount it.
 func TestCreateCASecret(t *testing.T) {
-	s := createCASecret(t, "example.org")
-	if s.Namespace != ciliumNS || s.Name != "mtlsbridge-ca" {
-		t.Errorf("Secret %s/%s, want %s/mtlsbridge-ca (the values' Secret volume)", s.Namespace, s.Name, ciliumNS)
+	s, roots := createCAObjects(t, "example.org")
+	signer := typed[appsv1.Deployment](t, find(t, readFile(t, "kubernetes/mtlsbridge-signer.yaml"), "Deployment", "mtlsbridge-signer"))
+	if v := volumeNamed(signer.Spec.Template.Spec.Volumes, "ca"); s.Namespace != signer.Namespace || v == nil || v.Secret == nil || s.Name != v.Secret.SecretName {
+		t.Errorf("Secret %s/%s, not the signer's Secret volume", s.Namespace, s.Name)
+	}
+	ds, _ := ciliumDaemonSet(t, renderCilium(t))
+	if v := volumeNamed(ds.Spec.Template.Spec.Volumes, "mtlsbridge-ca-roots"); roots.Namespace != ds.Namespace || v == nil || v.ConfigMap == nil || roots.Name != v.ConfigMap.Name {
+		t.Errorf("ConfigMap %s/%s, not the sidecar's roots volume", roots.Namespace, roots.Name)
+	}
+	if roots.Data["roots.pem"] != string(s.Data[identity.CACertFile]) {
+		t.Errorf("the ConfigMap's roots.pem is not the Secret's root:\n%s", roots.Data["roots.pem"])
 	}
 	m, err := identity.LoadDir(writeSecretDir(t, s), "example.org", false)
 	if err != nil {
@@ -65,10 +75,19 @@ func TestCreateCASecret(t *testing.T) {
 		t.Errorf("root valid %.0f days, want 3650", days)
 	}
 	// A second run is a new root, never the same key.
-	if again := createCASecret(t, "example.org"); string(again.Data[identity.CAKeyFile]) == string(s.Data[identity.CAKeyFile]) {
+	if again, _ := createCAObjects(t, "example.org"); string(again.Data[identity.CAKeyFile]) == string(s.Data[identity.CAKeyFile]) {
 		t.Error("two runs made the same key")
 	}
 	if err := exec.Command("./create-ca-secret.sh", "Not A Domain").Run(); err == nil {
 		t.Error("an invalid trust domain was accepted")
 	}
+}
+
+func volumeNamed(volumes []corev1.Volume, name string) *corev1.Volume {
+	for i := range volumes {
+		if volumes[i].Name == name {
+			return &volumes[i]
+		}
+	}
+	return nil
 }

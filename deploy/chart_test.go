@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spf13/pflag"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -95,11 +97,12 @@ func TestCiliumChartRendersSidecar(t *testing.T) {
 		return "container:" + p
 	}
 	for flag, want := range map[string]string{
-		"state-dir":    "/var/run/mtlsbridge",
-		"bpf-root":     "/sys/fs/bpf/mtlsbridge",
-		"cni-conf-dir": "/etc/cni/net.d",
-		"cni-bin-dir":  "/opt/cni/bin",
-		"ca-dir":       "secret:mtlsbridge-ca",
+		"state-dir":              "/var/run/mtlsbridge",
+		"bpf-root":               "/sys/fs/bpf/mtlsbridge",
+		"cni-conf-dir":           "/etc/cni/net.d",
+		"cni-bin-dir":            "/opt/cni/bin",
+		"ca-upstream-roots":      "volume:mtlsbridge-ca-roots",
+		"ca-upstream-token-file": "volume:mtlsbridge-signer-token",
 	} {
 		if got := host(flag); got != want {
 			t.Errorf("--%s=%s is %s on the host, want %s", flag, flagString(t, fs, flag), got, want)
@@ -108,10 +111,10 @@ func TestCiliumChartRendersSidecar(t *testing.T) {
 	if got := flagString(t, fs, "state-dir"); got != host("state-dir") {
 		t.Errorf("--state-dir=%s is %s on the host: the CNI plugin would look in the wrong place", got, host("state-dir"))
 	}
-	if flagString(t, fs, "source") != "k8s" || flagString(t, fs, "cni-install") != "true" || flagString(t, fs, "ca-secret") != "kube-system/mtlsbridge-ca" {
-		t.Errorf("want --source=k8s, --cni-install and no --ca-secret override; got %s, %s, %s",
-			flagString(t, fs, "source"), flagString(t, fs, "cni-install"), flagString(t, fs, "ca-secret"))
+	if flagString(t, fs, "source") != "k8s" || flagString(t, fs, "cni-install") != "true" {
+		t.Errorf("want --source=k8s and --cni-install; got %s, %s", flagString(t, fs, "source"), flagString(t, fs, "cni-install"))
 	}
+	checkSignerWiring(t, fs, ds)
 
 	// Who the sidecar is: the pod's ServiceAccount, the subject of
 	// mtlsbridge's ClusterRoleBinding.
@@ -305,4 +308,39 @@ func portOf(v any) int {
 		return n
 	}
 	return 0
+}
+
+// checkSignerWiring: the sidecar reaches the signer of
+// deploy/kubernetes/mtlsbridge-signer.yaml (its Service's name and port,
+// which its certificate names), with a token of an audience it accepts,
+// and no volume of the Cilium pod is the CA Secret: no node may read the
+// key.
+func checkSignerWiring(t *testing.T, fs *pflag.FlagSet, ds *appsv1.DaemonSet) {
+	t.Helper()
+	objs := readFile(t, "kubernetes/mtlsbridge-signer.yaml")
+	svc := typed[corev1.Service](t, find(t, objs, "Service", "mtlsbridge-signer"))
+	signer := typed[appsv1.Deployment](t, find(t, objs, "Deployment", "mtlsbridge-signer"))
+	signerFlags := pflag.NewFlagSet("signer", pflag.ContinueOnError)
+	names := signerFlags.StringSlice("grpc-serving-names", nil, "")
+	audiences := signerFlags.StringSlice("token-audiences", nil, "")
+	signerFlags.ParseErrorsWhitelist.UnknownFlags = true
+	must(t, signerFlags.Parse(signer.Spec.Template.Spec.Containers[0].Args[1:]))
+
+	want := net.JoinHostPort(svc.Name+"."+svc.Namespace+".svc", strconv.Itoa(int(svc.Spec.Ports[0].Port)))
+	if got := flagString(t, fs, "ca-upstream"); got != want {
+		t.Errorf("--ca-upstream=%s, want the signer's Service %s", got, want)
+	}
+	if host, _, _ := net.SplitHostPort(want); !slices.Contains(*names, host) {
+		t.Errorf("the signer's certificate names %v, not %s", *names, host)
+	}
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.Secret != nil && v.Secret.SecretName == "mtlsbridge-ca" {
+			t.Errorf("volume %s mounts the CA Secret on every node", v.Name)
+		}
+		if v.Name == "mtlsbridge-signer-token" {
+			if a := v.Projected.Sources[0].ServiceAccountToken.Audience; !slices.Contains(*audiences, a) {
+				t.Errorf("the signer token's audience %q is not one of the signer's %v", a, *audiences)
+			}
+		}
+	}
 }

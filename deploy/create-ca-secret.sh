@@ -3,8 +3,10 @@
 #
 # Prints a Secret holding new CA material for mtlsbridge: a self-signed
 # ECDSA P-256 root of the trust domain, valid 10 years, as the agent makes
-# in folder mode (ca-cert.pem, ca-key.pem; the agent reads the same keys
-# from --ca-dir or --ca-secret). Every node's agent shares it.
+# in folder mode (ca-cert.pem, ca-key.pem; the signer reads the same keys
+# from --ca-dir or --ca-secret). Then a ConfigMap with the root alone
+# (roots.pem): the node agents' --ca-upstream-roots, which no node needs the
+# Secret for.
 #
 #   deploy/create-ca-secret.sh [TRUST_DOMAIN] | kubectl create -f -
 #
@@ -12,7 +14,8 @@
 # into an annotation. The key exists only in a private temporary folder,
 # removed on exit, and on stdout. NAMESPACE and NAME override kube-system
 # and mtlsbridge-ca (keep them in step with the Secret volume of
-# deploy/cilium-values.yaml).
+# deploy/kubernetes/mtlsbridge-signer.yaml and the ConfigMap volume, NAME-roots,
+# of deploy/cilium-values.yaml).
 set -euo pipefail
 
 td="${1:-cluster.local}"
@@ -61,4 +64,15 @@ type: Opaque
 data:
   ca-cert.pem: $(base64 -w0 <"${tmp}/ca-cert.pem")
   ca-key.pem: $(base64 -w0 <"${tmp}/ca-key.pem")
+---
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: ${name}-roots
+  namespace: ${ns}
+  labels:
+    app.kubernetes.io/name: mtlsbridge
+data:
+  roots.pem: |
+$(sed 's/^/    /' "${tmp}/ca-cert.pem")
 YAML

@@ -6,7 +6,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -20,21 +19,19 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 )
 
-// TestSignerDeployment runs the signer as deploy/optional/mtlsbridge-signer.yaml
+// TestSignerDeployment runs the signer as deploy/kubernetes/mtlsbridge-signer.yaml
 // deploys it: its container's args, the CA Secret as the kubelet mounts it,
 // and the credentials of its ServiceAccount, which only the manifest's
 // ClusterRole grants anything. It becomes ready (every table read, the CA
 // material loaded, token reviews working) without a "forbidden" in its
-// log. The node agents' Role lets the sidecar's account list the
-// EndpointSlices it finds the signer by.
+// log. (TestAgentLeastPrivilege has the sidecar's certificate signed by it.)
 func TestSignerDeployment(t *testing.T) {
 	cfg := kubetest.Start(t)
 	kubetest.ApplyCiliumCRDs(t, cfg)
 	admin := kubernetes.NewForConfigOrDie(cfg)
-	const manifest = "optional/mtlsbridge-signer.yaml"
+	const manifest = "kubernetes/mtlsbridge-signer.yaml"
 	installShipped(t, cfg, admin, manifest)
 	deployment := typed[appsv1.Deployment](t, find(t, readFile(t, manifest), "Deployment", "mtlsbridge-signer"))
-	container := deployment.Spec.Template.Spec.Containers[0]
 
 	tr, err := admin.CoreV1().ServiceAccounts(ciliumNS).CreateToken(t.Context(), deployment.Spec.Template.Spec.ServiceAccountName,
 		&authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
@@ -43,26 +40,15 @@ func TestSignerDeployment(t *testing.T) {
 
 	// Paths are the test's; listeners stay on loopback.
 	stateDir := filepath.Join(t.TempDir(), "state")
-	override := map[string]string{
+	secret, _ := createCAObjects(t, "cluster.local")
+	args := signerArgs(t, deployment, map[string]string{
 		"--state-dir":             stateDir,
-		"--ca-dir":                writeSecretDir(t, createCASecret(t, "cluster.local")),
+		"--ca-dir":                writeSecretDir(t, secret),
 		"--grpc-listen":           "127.0.0.1:0",
 		"--prometheus-serve-addr": "127.0.0.1:0",
 		"--health-serve-addr":     "127.0.0.1:0",
-	}
+	})
 	bin := filepath.Join(buildAgent(t), "mtlsbridge")
-	args := []string{}
-	for _, a := range container.Args {
-		name, _, _ := strings.Cut(a, "=")
-		if v, ok := override[name]; ok {
-			a = name + "=" + v
-			delete(override, name)
-		}
-		args = append(args, a)
-	}
-	if len(override) > 0 {
-		t.Fatalf("the signer's args lack %v", override)
-	}
 	logPath := filepath.Join(t.TempDir(), "signer.log")
 	logFile, err := os.Create(logPath)
 	must(t, err)
@@ -90,14 +76,5 @@ func TestSignerDeployment(t *testing.T) {
 	}
 	if log, _ := os.ReadFile(logPath); forbiddenRE.Match(log) {
 		t.Errorf("the signer's log says forbidden:\n%s", log)
-	}
-
-	// The sidecar's account finds the signer's endpoints, in kube-system only.
-	sidecar := kubernetes.NewForConfigOrDie(tokenConfig(t, cfg, admin, nil))
-	if _, err := sidecar.DiscoveryV1().EndpointSlices(ciliumNS).List(t.Context(), metav1.ListOptions{}); err != nil {
-		t.Errorf("the sidecar listing EndpointSlices in %s: %v", ciliumNS, err)
-	}
-	if _, err := sidecar.DiscoveryV1().EndpointSlices("default").List(t.Context(), metav1.ListOptions{}); err == nil {
-		t.Error("the sidecar may list EndpointSlices in default")
 	}
 }
