@@ -52,18 +52,9 @@ func TestKubernetesCA(t *testing.T) {
 	ctx := t.Context()
 	kube := kubernetes.NewForConfigOrDie(cfg)
 
-	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
-	must(t, err)
-	_, err = kube.CoreV1().Secrets("kube-system").Create(ctx, &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca", Namespace: "kube-system"},
-		Data:       map[string][]byte{identity.CACertFile: certPEM, identity.CAKeyFile: keyPEM},
-	}, metav1.CreateOptions{})
-	must(t, err)
+	certPEM := createCASecret(t, kube)
 	createNamespace(t, kube, "app", map[string]string{"io.cilium/mtls-enabled": "true"})
-	for _, sa := range [][2]string{{"kube-system", "ztunnel"}, {"app", "web"}} {
-		_, err := kube.CoreV1().ServiceAccounts(sa[0]).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa[1]}}, metav1.CreateOptions{})
-		must(t, err)
-	}
+	createServiceAccounts(t, kube, "kube-system/ztunnel", "app/web")
 	// This node's agent connects from its pod's address: loopback here.
 	agentA := createPodAs(t, kube, "kube-system", "ztunnel-a", "node-a", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "127.0.0.1")
 	agentB := createPodAs(t, kube, "kube-system", "ztunnel-b", "node-b", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "10.0.2.2")
@@ -73,16 +64,7 @@ func TestKubernetesCA(t *testing.T) {
 	waitEnrolled(t, a, "app/web")
 	client := caClient(t, a, "")
 
-	tokenFor := func(pod *corev1.Pod, audience string) string {
-		tr, err := kube.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(ctx, pod.Spec.ServiceAccountName, &authnv1.TokenRequest{
-			Spec: authnv1.TokenRequestSpec{
-				Audiences:      []string{audience},
-				BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
-			},
-		}, metav1.CreateOptions{})
-		must(t, err)
-		return tr.Status.Token
-	}
+	tokenFor := func(pod *corev1.Pod, audience string) string { return boundToken(t, kube, pod, audience) }
 	requestWith := func(client pb.IstioCertificateServiceClient, token, id string) (*pb.IstioCertificateResponse, error) {
 		return requestCert(t, client, token, id)
 	}
@@ -182,6 +164,41 @@ func waitPodUID(t *testing.T, a *k8sAgent, key, uid string) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// createCASecret creates the CA Secret of Kubernetes mode
+// (kube-system/mtlsbridge-ca) with a new root, and returns the root.
+func createCASecret(t *testing.T, kube kubernetes.Interface) []byte {
+	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
+	must(t, err)
+	_, err = kube.CoreV1().Secrets("kube-system").Create(t.Context(), &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca", Namespace: "kube-system"},
+		Data:       map[string][]byte{identity.CACertFile: certPEM, identity.CAKeyFile: keyPEM},
+	}, metav1.CreateOptions{})
+	must(t, err)
+	return certPEM
+}
+
+// createServiceAccounts creates the NAMESPACE/NAME accounts.
+func createServiceAccounts(t *testing.T, kube kubernetes.Interface, accounts ...string) {
+	for _, sa := range accounts {
+		ns, name, _ := strings.Cut(sa, "/")
+		_, err := kube.CoreV1().ServiceAccounts(ns).Create(t.Context(), &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+		must(t, err)
+	}
+}
+
+// boundToken is a token of pod's service account for audience, bound to
+// the pod (so naming its node), as a projected volume holds it.
+func boundToken(t *testing.T, kube kubernetes.Interface, pod *corev1.Pod, audience string) string {
+	tr, err := kube.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(t.Context(), pod.Spec.ServiceAccountName, &authnv1.TokenRequest{
+		Spec: authnv1.TokenRequestSpec{
+			Audiences:      []string{audience},
+			BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
+		},
+	}, metav1.CreateOptions{})
+	must(t, err)
+	return tr.Status.Token
 }
 
 func createPodAs(t *testing.T, kube kubernetes.Interface, ns, name, node, sa string, labels map[string]string, ip string) *corev1.Pod {

@@ -16,7 +16,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	pb "istio.io/api/security/v1alpha1"
-	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -37,37 +36,25 @@ func TestKubernetesSigner(t *testing.T) {
 	ctx := t.Context()
 	kube := kubernetes.NewForConfigOrDie(cfg)
 
-	rootPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
-	must(t, err)
-	_, err = kube.CoreV1().Secrets("kube-system").Create(ctx, &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca", Namespace: "kube-system"},
-		Data:       map[string][]byte{identity.CACertFile: rootPEM, identity.CAKeyFile: keyPEM},
-	}, metav1.CreateOptions{})
-	must(t, err)
+	rootPEM := createCASecret(t, kube)
 	for _, node := range []string{"node-a", "node-b"} {
 		_, err := kube.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: node}}, metav1.CreateOptions{})
 		must(t, err)
 	}
 	createNamespace(t, kube, "app", map[string]string{"io.cilium/mtls-enabled": "true"})
-	for _, sa := range [][2]string{{"kube-system", "ztunnel"}, {"kube-system", "cilium"}, {"app", "web"}, {"app", "api"}} {
-		_, err := kube.CoreV1().ServiceAccounts(sa[0]).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: sa[1]}}, metav1.CreateOptions{})
-		must(t, err)
-	}
+	createServiceAccounts(t, kube, "kube-system/ztunnel", "kube-system/cilium", "app/web", "app/api")
 	ciliumA := createPodAs(t, kube, "kube-system", "cilium-a", "node-a", "cilium", nil, "10.0.1.2")
 	ciliumB := createPodAs(t, kube, "kube-system", "cilium-b", "node-b", "cilium", nil, "10.0.2.2")
 	ztunnelA := createPodAs(t, kube, "kube-system", "ztunnel-a", "node-a", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "127.0.0.1")
 	createPodAs(t, kube, "app", "web", "node-a", "web", nil, "10.0.1.10")
 	createPodAs(t, kube, "app", "api", "node-b", "api", nil, "10.0.2.10")
-	tokenFor := func(pod *corev1.Pod, audience string) string {
-		tr, err := kube.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(ctx, pod.Spec.ServiceAccountName, &authnv1.TokenRequest{
-			Spec: authnv1.TokenRequestSpec{
-				Audiences:      []string{audience},
-				BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
-			},
-		}, metav1.CreateOptions{})
-		must(t, err)
-		return tr.Status.Token
-	}
+	// A static pod, as root on node-a may make one: the API server refuses
+	// it a service account (and this test's has no admission to add one).
+	kubetest.CreateRunningPod(t, kube, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "static-node-a", Namespace: "app", Annotations: map[string]string{"kubernetes.io/config.mirror": "x"}},
+		Spec:       corev1.PodSpec{NodeName: "node-a"},
+	}, "10.0.1.11")
+	tokenFor := func(pod *corev1.Pod, audience string) string { return boundToken(t, kube, pod, audience) }
 	const (
 		webID    = "spiffe://cluster.local/ns/app/sa/web"
 		apiID    = "spiffe://cluster.local/ns/app/sa/api"
@@ -78,6 +65,7 @@ func TestKubernetesSigner(t *testing.T) {
 	signer := startHive(t, cfg, hivetest.Logger(t), agent.SignerCell, "--node-name=", "--token-audiences="+audience, "--token-review-burst=100")
 	waitEnrolled(t, signer, "app/web")
 	waitEnrolled(t, signer, "app/api")
+	waitEnrolled(t, signer, "app/static-node-a")
 	signerAddr := grpcAddr(t, signer)
 
 	// node-a's agent: the roots of the trust domain and its own token.
@@ -127,6 +115,7 @@ func TestKubernetesSigner(t *testing.T) {
 		"node-a's token for the node's CA":     {tokenFor(ciliumA, "istio-ca"), webID, audience, codes.Unauthenticated},
 		// Cilium identities are what nodes write in CiliumEndpoints.
 		"node-a's agent for a Cilium identity": {nodeAToken, "spiffe://cluster.local/identity/4242", identity.ReasonIdentityScheme, codes.PermissionDenied},
+		"node-a's agent for its static pod":    {nodeAToken, "spiffe://cluster.local/ns/app/sa/default", identity.ReasonNoServiceAccount, codes.PermissionDenied},
 	} {
 		if _, err := requestCert(t, direct, tc.token, tc.id); status.Code(err) != tc.code || !strings.Contains(err.Error(), tc.reason) {
 			t.Errorf("%s: got %v, want %s (%s)", name, err, tc.code, tc.reason)

@@ -200,7 +200,8 @@ func newCluster(t *testing.T) *cluster {
 	}, ips(proxy)...)
 	kubetest.CreateRunningPod(t, c.admin, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "app", Labels: map[string]string{"app": "web"}},
-		Spec:       corev1.PodSpec{NodeName: "node-a"},
+		// As the ServiceAccount admission plugin, off here, would set it.
+		Spec: corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "default"},
 	}, ips(web)...)
 
 	// The agent runs in the node's namespace, as the sidecar runs in the

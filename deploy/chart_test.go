@@ -114,7 +114,7 @@ func TestCiliumChartRendersSidecar(t *testing.T) {
 	if flagString(t, fs, "source") != "k8s" || flagString(t, fs, "cni-install") != "true" {
 		t.Errorf("want --source=k8s and --cni-install; got %s, %s", flagString(t, fs, "source"), flagString(t, fs, "cni-install"))
 	}
-	checkSignerWiring(t, fs, ds)
+	checkSignerWiring(t, fs, ds, c)
 
 	// Who the sidecar is: the pod's ServiceAccount, the subject of
 	// mtlsbridge's ClusterRoleBinding.
@@ -312,35 +312,83 @@ func portOf(v any) int {
 
 // checkSignerWiring: the sidecar reaches the signer of
 // deploy/kubernetes/mtlsbridge-signer.yaml (its Service's name and port,
-// which its certificate names), with a token of an audience it accepts,
-// and no volume of the Cilium pod is the CA Secret: no node may read the
-// key.
-func checkSignerWiring(t *testing.T, fs *pflag.FlagSet, ds *appsv1.DaemonSet) {
+// which its certificate names and its container serves), with a token of
+// an audience it accepts, and decides enrollment with the same flags; the
+// signer's paths are its mounts and its probe its health port; and no
+// volume of the Cilium pod holds the CA Secret: no node may read the key.
+func checkSignerWiring(t *testing.T, fs *pflag.FlagSet, ds *appsv1.DaemonSet, sidecar *corev1.Container) {
 	t.Helper()
 	objs := readFile(t, "kubernetes/mtlsbridge-signer.yaml")
 	svc := typed[corev1.Service](t, find(t, objs, "Service", "mtlsbridge-signer"))
 	signer := typed[appsv1.Deployment](t, find(t, objs, "Deployment", "mtlsbridge-signer"))
-	signerFlags := pflag.NewFlagSet("signer", pflag.ContinueOnError)
-	names := signerFlags.StringSlice("grpc-serving-names", nil, "")
-	audiences := signerFlags.StringSlice("token-audiences", nil, "")
-	signerFlags.ParseErrorsWhitelist.UnknownFlags = true
-	must(t, signerFlags.Parse(signer.Spec.Template.Spec.Containers[0].Args[1:]))
+	container := &signer.Spec.Template.Spec.Containers[0]
+	sfs := signerFlags(t, container)
 
 	want := net.JoinHostPort(svc.Name+"."+svc.Namespace+".svc", strconv.Itoa(int(svc.Spec.Ports[0].Port)))
 	if got := flagString(t, fs, "ca-upstream"); got != want {
 		t.Errorf("--ca-upstream=%s, want the signer's Service %s", got, want)
 	}
-	if host, _, _ := net.SplitHostPort(want); !slices.Contains(*names, host) {
-		t.Errorf("the signer's certificate names %v, not %s", *names, host)
+	if host, _, _ := net.SplitHostPort(want); !slices.Contains(strings.Split(flagString(t, sfs, "grpc-serving-names"), ","), host) {
+		t.Errorf("the signer's certificate names %s, not %s", flagString(t, sfs, "grpc-serving-names"), host)
 	}
-	for _, v := range ds.Spec.Template.Spec.Volumes {
-		if v.Secret != nil && v.Secret.SecretName == "mtlsbridge-ca" {
-			t.Errorf("volume %s mounts the CA Secret on every node", v.Name)
-		}
-		if v.Name == "mtlsbridge-signer-token" {
-			if a := v.Projected.Sources[0].ServiceAccountToken.Audience; !slices.Contains(*audiences, a) {
-				t.Errorf("the signer token's audience %q is not one of the signer's %v", a, *audiences)
+	containerPort := func(name string) string {
+		for _, p := range container.Ports {
+			if p.Name == name {
+				return strconv.Itoa(int(p.ContainerPort))
 			}
+		}
+		return "none"
+	}
+	if _, port, _ := net.SplitHostPort(flagString(t, sfs, "grpc-listen")); port != containerPort(svc.Spec.Ports[0].TargetPort.String()) {
+		t.Errorf("the signer listens on %s, its Service targets port %s", port, svc.Spec.Ports[0].TargetPort.String())
+	}
+	if _, port, _ := net.SplitHostPort(flagString(t, sfs, "health-serve-addr")); port != container.ReadinessProbe.HTTPGet.Port.String() {
+		t.Errorf("the signer's /healthz is on port %s, its probe asks %s", port, container.ReadinessProbe.HTTPGet.Port.String())
+	}
+	for _, flag := range []string{"trust-domain", "excluded-namespaces", "mtls-agent-namespaces", "cluster-name"} {
+		if flagString(t, fs, flag) != flagString(t, sfs, flag) {
+			t.Errorf("--%s: the sidecar's %q, the signer's %q", flag, flagString(t, fs, flag), flagString(t, sfs, flag))
+		}
+	}
+
+	// Paths: each flag names what its volume holds.
+	mountOf := func(c *corev1.Container, volumes []corev1.Volume, name string) (string, *corev1.Volume) {
+		for _, m := range c.VolumeMounts {
+			if m.Name == name {
+				return m.MountPath, volumeNamed(volumes, name)
+			}
+		}
+		t.Fatalf("container %s mounts no volume %s", c.Name, name)
+		return "", nil
+	}
+	tokenDir, token := mountOf(sidecar, ds.Spec.Template.Spec.Volumes, "mtlsbridge-signer-token")
+	if src := token.Projected.Sources[0].ServiceAccountToken; flagString(t, fs, "ca-upstream-token-file") != path.Join(tokenDir, src.Path) ||
+		!strings.Contains(","+flagString(t, sfs, "token-audiences")+",", ","+src.Audience+",") {
+		t.Errorf("--ca-upstream-token-file=%s: the token is %s/%s, of audience %q (the signer accepts %s)",
+			flagString(t, fs, "ca-upstream-token-file"), tokenDir, src.Path, src.Audience, flagString(t, sfs, "token-audiences"))
+	}
+	rootsDir, roots := mountOf(sidecar, ds.Spec.Template.Spec.Volumes, "mtlsbridge-ca-roots")
+	if flagString(t, fs, "ca-upstream-roots") != path.Join(rootsDir, "roots.pem") || roots.ConfigMap == nil || roots.ConfigMap.Name != "mtlsbridge-ca-roots" {
+		t.Errorf("--ca-upstream-roots=%s, not roots.pem of the ConfigMap mtlsbridge-ca-roots at %s", flagString(t, fs, "ca-upstream-roots"), rootsDir)
+	}
+	caDir, ca := mountOf(container, signer.Spec.Template.Spec.Volumes, "ca")
+	if flagString(t, sfs, "ca-dir") != caDir || ca.Secret == nil || ca.Secret.SecretName != "mtlsbridge-ca" {
+		t.Errorf("the signer's --ca-dir=%s is not the Secret mtlsbridge-ca's mount", flagString(t, sfs, "ca-dir"))
+	}
+	stateDir, state := mountOf(container, signer.Spec.Template.Spec.Volumes, "state")
+	if rel, err := filepath.Rel(stateDir, flagString(t, sfs, "state-dir")); err != nil || strings.HasPrefix(rel, "..") || rel == "." || state.EmptyDir == nil {
+		t.Errorf("the signer's --state-dir=%s is not a folder inside its emptyDir at %s (it must own it)", flagString(t, sfs, "state-dir"), stateDir)
+	}
+
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		secret := v.Secret != nil && v.Secret.SecretName == "mtlsbridge-ca"
+		if v.Projected != nil {
+			for _, src := range v.Projected.Sources {
+				secret = secret || src.Secret != nil && src.Secret.Name == "mtlsbridge-ca"
+			}
+		}
+		if secret {
+			t.Errorf("volume %s mounts the CA Secret on every node", v.Name)
 		}
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
 	"github.com/spf13/pflag"
 	"helm.sh/helm/v4/pkg/action"
 	"helm.sh/helm/v4/pkg/chart/common"
@@ -166,8 +167,19 @@ var envRef = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
 // vars.
 func agentFlags(t *testing.T, c *corev1.Container, vars map[string]string) *pflag.FlagSet {
 	t.Helper()
-	if len(c.Args) == 0 || c.Args[0] != "agent" {
-		t.Fatalf("container %s: args %q do not start with the agent command", c.Name, c.Args)
+	return commandFlags(t, c, "agent", agent.Cell, vars)
+}
+
+// signerFlags parses the signer container's args as agentFlags does.
+func signerFlags(t *testing.T, c *corev1.Container) *pflag.FlagSet {
+	t.Helper()
+	return commandFlags(t, c, "signer", agent.SignerCell, nil)
+}
+
+func commandFlags(t *testing.T, c *corev1.Container, command string, cells cell.Cell, vars map[string]string) *pflag.FlagSet {
+	t.Helper()
+	if len(c.Args) == 0 || c.Args[0] != command {
+		t.Fatalf("container %s: args %q do not start with the %s command", c.Name, c.Args, command)
 	}
 	args := make([]string, 0, len(c.Args)-1)
 	for _, a := range c.Args[1:] {
@@ -180,11 +192,11 @@ func agentFlags(t *testing.T, c *corev1.Container, vars map[string]string) *pfla
 			return v
 		}))
 	}
-	fs := pflag.NewFlagSet("agent", pflag.ContinueOnError)
-	hive.New(agent.Infrastructure, agent.Cell).RegisterFlags(fs)
+	fs := pflag.NewFlagSet(command, pflag.ContinueOnError)
+	hive.New(agent.Infrastructure, cells).RegisterFlags(fs)
 	fs.Bool("debug", false, "") // added by cmd/mtlsbridge beside the hive's
 	if err := fs.Parse(args); err != nil {
-		t.Fatalf("container %s: the agent refuses its args: %v", c.Name, err)
+		t.Fatalf("container %s: %s refuses its args: %v", c.Name, command, err)
 	}
 	return fs
 }

@@ -123,7 +123,7 @@ func newAuthenticator(p authParams) (*Authenticator, error) {
 			return nil, err
 		}
 		budget := newReviewBudget(budget{p.Config.TokenReviewQPS, p.Config.TokenReviewBurst}, peerBudget, a.isLocalAgent)
-		a.verify = newReviewCache(reviewer(kube, p.Config.TokenAudiences, budget)).verify
+		a.verify = newReviewCache(reviewer(kube, p.Config.TokenAudiences, budget), 2*p.Config.GRPCMaxConnections).verify
 		a.probe = func(ctx context.Context) error { return probeTokenReview(ctx, kube) }
 	case p.Config.TokenFile != "":
 		a.verify = tokenFile(p.Config.TokenFile)

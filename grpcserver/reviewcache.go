@@ -22,6 +22,7 @@ type reviewCache struct {
 
 	mu      sync.Mutex
 	entries map[[sha256.Size]byte]reviewEntry
+	size    int
 }
 
 type reviewEntry struct {
@@ -36,12 +37,14 @@ const (
 	// refusalTTL is shorter: a token the API server just created may be
 	// refused for a moment by a lagging replica.
 	refusalTTL = 5 * time.Second
-	// maxReviews bounds the cache: one entry per distinct token.
-	maxReviews = 1024
+	// minReviews is the least bound of the cache (one entry per distinct
+	// token); a listener of more connections (the signer's: one per node)
+	// keeps twice as many.
+	minReviews = 1024
 )
 
-func newReviewCache(review func(context.Context, string) (Caller, error)) *reviewCache {
-	return &reviewCache{review: review, now: time.Now, entries: map[[sha256.Size]byte]reviewEntry{}}
+func newReviewCache(review func(context.Context, string) (Caller, error), size int) *reviewCache {
+	return &reviewCache{review: review, now: time.Now, entries: map[[sha256.Size]byte]reviewEntry{}, size: max(size, minReviews)}
 }
 
 func (c *reviewCache) verify(ctx context.Context, token string) (Caller, error) {
@@ -65,13 +68,13 @@ func (c *reviewCache) verify(ctx context.Context, token string) (Caller, error) 
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if len(c.entries) >= maxReviews {
+	if len(c.entries) >= c.size {
 		for k, old := range c.entries {
 			if !now.Before(old.expires) {
 				delete(c.entries, k)
 			}
 		}
-		if len(c.entries) >= maxReviews {
+		if len(c.entries) >= c.size {
 			clear(c.entries) // all fresh: a flood of distinct tokens
 		}
 	}

@@ -49,7 +49,7 @@ func TestReviewCache(t *testing.T) {
 		}}, nil
 	})
 	now := time.Unix(1000, 0)
-	c := newReviewCache(reviewer(client, []string{"istio-ca"}, newReviewBudget(budget{1e6, 1e6}, budget{1e6, 1e6}, func(netip.Addr) bool { return false })))
+	c := newReviewCache(reviewer(client, []string{"istio-ca"}, newReviewBudget(budget{1e6, 1e6}, budget{1e6, 1e6}, func(netip.Addr) bool { return false })), 0)
 	c.now = func() time.Time { return now }
 	ctx := context.Background()
 
@@ -96,11 +96,11 @@ func TestReviewCache(t *testing.T) {
 
 	// A flood of distinct tokens stays bounded.
 	apiDown = false
-	for i := range 3 * maxReviews {
+	for i := range 3 * minReviews {
 		c.verify(ctx, fmt.Sprintf("flood-%d", i))
 	}
-	if n := len(c.entries); n > maxReviews {
-		t.Fatalf("%d cached reviews, want at most %d", n, maxReviews)
+	if n := len(c.entries); n > minReviews {
+		t.Fatalf("%d cached reviews, want at most %d", n, minReviews)
 	}
 }
 

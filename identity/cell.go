@@ -129,6 +129,8 @@ type caParams struct {
 	Certificates statedb.RWTable[*Certificate]
 	Lifecycle    cell.Lifecycle
 	Clients      *ingest.Clients
+	Mode         ingest.Mode
+	Pods         statedb.Table[*tables.Pod]
 	// Callers is provided in the signer only.
 	Callers grpcserver.Callers `optional:"true"`
 }
@@ -157,6 +159,7 @@ func newCAService(p caParams) (caServiceOut, error) {
 		cfg: p.Config, trustDomain: p.Enrollment.TrustDomain, localNode: p.LocalNode, log: p.Log,
 		metrics: p.Metrics, authority: p.Authority, db: p.DB,
 		enrollments: p.Enrollments, certificates: p.Certificates, callers: p.Callers,
+		pods: p.Pods, kubernetes: p.Mode == ingest.Kubernetes,
 	}
 	if p.Config.CAUpstream != "" {
 		if len(p.Callers.NodeAgents) > 0 {

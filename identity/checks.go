@@ -29,6 +29,7 @@ const (
 	ReasonNotEnrolled           = "identity-not-enrolled"
 	ReasonReservedIdentity      = "reserved-identity"
 	ReasonIdentityScheme        = "identity-scheme-not-signed"
+	ReasonNoServiceAccount      = "pod-without-service-account"
 )
 
 // RequestError is a refused request: the reason label and what to tell the

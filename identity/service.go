@@ -40,6 +40,10 @@ type caService struct {
 	callers grpcserver.Callers
 	// upstream, when set, signs instead of the authority (--ca-upstream).
 	upstream *upstream
+	pods     statedb.Table[*tables.Pod]
+	// kubernetes: pods come from the API server, which gives every pod
+	// but a static one a service account.
+	kubernetes bool
 }
 
 func (s *caService) register(srv *grpc.Server) { pb.RegisterIstioCertificateServiceServer(srv, s) }
@@ -60,6 +64,7 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 		node = caller.Node
 	}
 	csr, id, rerr := CheckRequest(req.GetCsr(), req.GetMetadata(), s.trustDomain)
+	var pod string
 	switch {
 	case rerr != nil:
 	case signer && id.CiliumIdentity != 0:
@@ -68,7 +73,7 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 		rerr = refuse(ReasonIdentityScheme, "the signer signs spiffe://TD/ns/NS/sa/SA identities only, not %s: "+
 			"a pod's Cilium identity is what its node's Cilium writes in its CiliumEndpoint", id)
 	default:
-		rerr = s.checkEnrolledOn(node, id)
+		pod, rerr = s.checkEnrolledOn(node, id)
 	}
 	if rerr != nil {
 		s.metrics.Refused.WithLabelValues(rerr.Reason).Inc()
@@ -79,7 +84,6 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 		}
 		return nil, status.Error(code, rerr.Error())
 	}
-	pod, _ := s.holder(node, id.String())
 
 	ttl := s.cfg.ttl(req.GetValidityDuration())
 	var issued *Issued
@@ -112,44 +116,47 @@ func (s *caService) CreateCertificate(ctx context.Context, req *pb.IstioCertific
 	return &pb.IstioCertificateResponse{CertChain: issued.ChainPEM}, nil
 }
 
-// holder returns an enrolled pod on node holding the identity.
-func (s *caService) holder(node, id string) (string, bool) {
+// checkEnrolledOn returns the enrolled pod on node that holds the identity,
+// or refuses, telling "elsewhere" from "nowhere" where it can. In
+// Kubernetes mode a pod without a service account holds none: it is a
+// static pod, whose service account the API server never checked (it
+// refuses one), so a node could give it any namespace's default account.
+func (s *caService) checkEnrolledOn(node string, id spiffe.ID) (string, *RequestError) {
+	if node == "" {
+		return "", refuse(ReasonNotOnThisNode, "the caller's node is not known")
+	}
 	txn := s.db.ReadTxn()
 	// The node agent indexes its own node's rows; the signer's are the
 	// cluster's enrolled pods, found by the identity's namespace.
 	rows := s.enrollments.List(txn, enrollment.OfThisNode())
 	if node != s.localNode.NodeName {
 		rows = s.enrollments.All(txn)
-		if parsed, err := spiffe.ParseID(id); err == nil && parsed.Namespace != "" {
-			rows = s.enrollments.Prefix(txn, enrollment.ByKey(parsed.Namespace+"/"))
+		if id.Namespace != "" {
+			rows = s.enrollments.Prefix(txn, enrollment.ByKey(id.Namespace+"/"))
 		}
 	}
+	static := ""
 	for e := range rows {
-		if e.Enrolled && e.Node == node && (e.SpiffeID == id || e.IdentitySpiffeID == id) {
-			return e.Key(), true
+		if !e.Enrolled || e.Node != node || (e.SpiffeID != id.String() && e.IdentitySpiffeID != id.String()) {
+			continue
 		}
+		if pod, _, found := s.pods.Get(txn, tables.PodByKey(e.Key())); s.kubernetes && found && pod.ServiceAccount == "" {
+			static = e.Key()
+			continue
+		}
+		return e.Key(), nil
 	}
-	return "", false
-}
-
-// checkEnrolledOn refuses identities no enrolled pod on node holds, telling
-// "elsewhere" from "nowhere" where it can.
-func (s *caService) checkEnrolledOn(node string, id spiffe.ID) *RequestError {
-	if node == "" {
-		return refuse(ReasonNotOnThisNode, "the caller's node is not known")
-	}
-	if _, ok := s.holder(node, id.String()); ok {
-		return nil
+	if static != "" {
+		return "", refuse(ReasonNoServiceAccount, "%s is held on node %q only by %s, a pod without a service account (a static pod)", id, node, static)
 	}
 	if id.Namespace != "" {
-		txn := s.db.ReadTxn()
 		for e := range s.enrollments.Prefix(txn, enrollment.ByKey(id.Namespace+"/")) {
 			if e.Enrolled && e.SpiffeID == id.String() {
-				return refuse(ReasonNotOnThisNode, "%s belongs to %s on node %q, not to a pod of node %q", id, e.Key(), e.Node, node)
+				return "", refuse(ReasonNotOnThisNode, "%s belongs to %s on node %q, not to a pod of node %q", id, e.Key(), e.Node, node)
 			}
 		}
 	}
-	return refuse(ReasonNotEnrolled, "no enrolled pod on node %q holds %s", node, id)
+	return "", refuse(ReasonNotEnrolled, "no enrolled pod on node %q holds %s", node, id)
 }
 
 // maxCSRBytes is more than any CSR ztunnel sends (an ECDSA P-256 CSR with

@@ -9,8 +9,10 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -203,13 +205,15 @@ func serviceDialer(kube kubernetes.Interface) func(ctx context.Context, addr str
 		if !isService || !qualified || kube == nil {
 			return dialer.DialContext(ctx, "tcp", addr)
 		}
-		addrs, err := readyEndpoints(ctx, kube, namespace, name)
+		addrs, err := readyEndpoints(ctx, kube, namespace, name, port)
 		if err != nil {
 			return nil, err
 		}
+		// Nodes spread over the replicas.
+		rand.Shuffle(len(addrs), func(i, j int) { addrs[i], addrs[j] = addrs[j], addrs[i] })
 		var errs []error
-		for _, ip := range addrs {
-			conn, err := dialer.DialContext(ctx, "tcp", net.JoinHostPort(ip, port))
+		for _, addr := range addrs {
+			conn, err := dialer.DialContext(ctx, "tcp", addr)
 			if err == nil {
 				return conn, nil
 			}
@@ -219,18 +223,25 @@ func serviceDialer(kube kubernetes.Interface) func(ctx context.Context, addr str
 	}
 }
 
-// readyEndpoints lists the addresses of the Service's ready endpoints.
-func readyEndpoints(ctx context.Context, kube kubernetes.Interface, namespace, name string) ([]string, error) {
+// readyEndpoints lists the host:port of the Service's ready endpoints: the
+// slice's port when it has one (the Service's target), else servicePort.
+func readyEndpoints(ctx context.Context, kube kubernetes.Interface, namespace, name, servicePort string) ([]string, error) {
 	list, err := kube.DiscoveryV1().EndpointSlices(namespace).List(ctx, metav1.ListOptions{LabelSelector: discoveryv1.LabelServiceName + "=" + name})
 	if err != nil {
 		return nil, fmt.Errorf("endpoints of Service %s/%s: %w", namespace, name, err)
 	}
 	var addrs []string
 	for _, slice := range list.Items {
+		port := servicePort
+		if len(slice.Ports) == 1 && slice.Ports[0].Port != nil {
+			port = strconv.Itoa(int(*slice.Ports[0].Port))
+		}
 		for _, ep := range slice.Endpoints {
 			// Unknown readiness counts as ready, as for kube-proxy.
 			if ep.Conditions.Ready == nil || *ep.Conditions.Ready {
-				addrs = append(addrs, ep.Addresses...)
+				for _, a := range ep.Addresses {
+					addrs = append(addrs, net.JoinHostPort(a, port))
+				}
 			}
 		}
 	}

@@ -41,30 +41,32 @@ import (
 func TestReadyEndpoints(t *testing.T) {
 	kube := kubernetes.NewForConfigOrDie(kubetest.Start(t))
 	ready, notReady := true, false
-	slice := func(name, service string, endpoints ...discoveryv1.Endpoint) {
+	slice := func(name, service string, ports []discoveryv1.EndpointPort, endpoints ...discoveryv1.Endpoint) {
 		_, err := kube.DiscoveryV1().EndpointSlices("kube-system").Create(t.Context(), &discoveryv1.EndpointSlice{
 			ObjectMeta:  metav1.ObjectMeta{Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: service}},
 			AddressType: discoveryv1.AddressTypeFQDN,
 			Endpoints:   endpoints,
+			Ports:       ports,
 		}, metav1.CreateOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
 	}
-	slice("signer-1", "mtlsbridge-signer",
+	slice("signer-1", "mtlsbridge-signer", []discoveryv1.EndpointPort{{Name: new("grpc"), Port: new(int32(16012))}},
 		discoveryv1.Endpoint{Addresses: []string{"signer-0.example"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}},
 		discoveryv1.Endpoint{Addresses: []string{"terminating.example"}, Conditions: discoveryv1.EndpointConditions{Ready: &notReady}})
-	slice("signer-2", "mtlsbridge-signer",
+	slice("signer-2", "mtlsbridge-signer", nil,
 		discoveryv1.Endpoint{Addresses: []string{"signer-1.example"}})
-	slice("other-1", "mtlsbridge-signer-old",
+	slice("other-1", "mtlsbridge-signer-old", nil,
 		discoveryv1.Endpoint{Addresses: []string{"other.example"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}})
 
-	got, err := readyEndpoints(t.Context(), kube, "kube-system", "mtlsbridge-signer")
+	got, err := readyEndpoints(t.Context(), kube, "kube-system", "mtlsbridge-signer", "15012")
 	slices.Sort(got)
-	if err != nil || !slices.Equal(got, []string{"signer-0.example", "signer-1.example"}) {
-		t.Errorf("ready endpoints %v (%v), want signer-0.example and signer-1.example", got, err)
+	// A slice's own port is the Service's target port.
+	if want := []string{"signer-0.example:16012", "signer-1.example:15012"}; err != nil || !slices.Equal(got, want) {
+		t.Errorf("ready endpoints %v (%v), want %v", got, err, want)
 	}
-	if _, err := readyEndpoints(t.Context(), kube, "kube-system", "none"); err == nil || !strings.Contains(err.Error(), "no ready endpoint") {
+	if _, err := readyEndpoints(t.Context(), kube, "kube-system", "none", "15012"); err == nil || !strings.Contains(err.Error(), "no ready endpoint") {
 		t.Errorf("a Service without endpoints: %v", err)
 	}
 }
