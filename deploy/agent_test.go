@@ -55,15 +55,16 @@ import (
 
 const (
 	ciliumUser = "system:serviceaccount:kube-system:cilium"
+	signerUser = "system:serviceaccount:kube-system:mtlsbridge-signer"
 	waitLimit  = 60 * time.Second
-	// The audit policy: every request of the sidecar's identity, nothing
-	// else, at the level that names verb and resource.
+	// The audit policy: every request of the sidecar's and the signer's
+	// identities, nothing else, at the level that names verb and resource.
 	auditPolicy = `apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: [RequestReceived]
 rules:
 - level: Metadata
-  users: ["` + ciliumUser + `"]
+  users: ["` + ciliumUser + `", "` + signerUser + `"]
 - level: None
 `
 )
@@ -582,12 +583,17 @@ func (c *cluster) reset(t *testing.T) {
 // used reads the audit log: every permission the sidecar's identity
 // exercised, and those refused.
 func (c *cluster) used(t *testing.T) (used, refused map[permission]int, streamed map[permission]bool) {
+	return c.usedBy(t, ciliumUser)
+}
+
+// usedBy is used for any user.
+func (c *cluster) usedBy(t *testing.T, user string) (used, refused map[permission]int, streamed map[permission]bool) {
 	t.Helper()
 	events, err := kubetest.ReadAuditLog(c.srv.AuditLog)
 	must(t, err)
 	used, refused, streamed = map[permission]int{}, map[permission]int{}, map[permission]bool{}
 	for _, e := range events {
-		if e.User.Username != ciliumUser || e.ObjectRef == nil {
+		if e.User.Username != user || e.ObjectRef == nil {
 			continue
 		}
 		res := e.ObjectRef.Resource
@@ -701,9 +707,18 @@ func TestAgentLeastPrivilege(t *testing.T) {
 		t.Errorf("the agent's log says forbidden: %s", log[max(0, loc[0]-300):min(len(log), loc[1]+300)])
 	}
 
-	// What it used against what it was granted.
+	// What each used against what it was granted.
 	used, refused, streamed := c.used(t)
-	grants := granted(c.role)
+	checkGrants(t, "the agent", used, refused, streamed, granted(c.role))
+	used, refused, streamed = c.usedBy(t, signerUser)
+	checkGrants(t, "the signer", used, refused, streamed,
+		granted(typed[rbacv1.ClusterRole](t, find(t, readFile(t, "kubernetes/mtlsbridge-signer.yaml"), "ClusterRole", "mtlsbridge-signer"))))
+}
+
+// checkGrants compares what who used (from the audit log) with the grants
+// of its ClusterRole: a lacking one and an unused one both fail.
+func checkGrants(t *testing.T, who string, used, refused map[permission]int, streamed map[permission]bool, grants map[permission]bool) {
+	t.Helper()
 	var lacking, unused, explained []string
 	for p := range used {
 		if !grants[p] {
@@ -727,15 +742,15 @@ func TestAgentLeastPrivilege(t *testing.T) {
 	sort.Strings(lacking)
 	sort.Strings(unused)
 	sort.Strings(explained)
-	t.Logf("used: %v", used)
+	t.Logf("%s used: %v", who, used)
 	if len(explained) > 0 {
-		t.Logf("granted, not used here because the API server streamed the initial lists (needed where it does not): %v", explained)
+		t.Logf("%s: granted, not used here because the API server streamed the initial lists (needed where it does not): %v", who, explained)
 	}
 	if len(lacking) > 0 {
-		t.Errorf("the agent needs permissions the ClusterRole lacks: %v", lacking)
+		t.Errorf("%s needs permissions its ClusterRole lacks: %v", who, lacking)
 	}
 	if len(unused) > 0 {
-		t.Errorf("the ClusterRole grants permissions the agent never used: %v", unused)
+		t.Errorf("the ClusterRole grants permissions %s never used: %v", who, unused)
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -75,6 +76,39 @@ type Authenticator struct {
 	// may be read at once (a compromised agent pod can send messages up to
 	// the listener's size limit).
 	slots map[string]chan struct{}
+	// nodeCalls counts the signer's open calls per node agent's node.
+	nodeCalls nodeCalls
+}
+
+// perNodeCalls bounds the calls one node agent has open at the signer, so
+// that one node (root on it holds its agent's token) cannot take every
+// slot of a method from the cluster's other nodes.
+const perNodeCalls = 2
+
+type nodeCalls struct {
+	mu   sync.Mutex
+	open map[string]int
+}
+
+// acquire takes one of node's calls, if it has one left; release gives it
+// back.
+func (n *nodeCalls) acquire(node string) (release func(), ok bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.open[node] >= perNodeCalls {
+		return nil, false
+	}
+	if n.open == nil {
+		n.open = map[string]int{}
+	}
+	n.open[node]++
+	return func() {
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		if n.open[node]--; n.open[node] == 0 {
+			delete(n.open, node)
+		}
+	}, true
 }
 
 type authParams struct {
@@ -150,7 +184,7 @@ type callerKey struct{}
 // this node's mTLS agent is refused from its headers, so its messages are
 // never read (the flood: 64 calls of 15 MB without a token took
 // 2.6 GB). The caller goes into the stream's context (see CallerFrom).
-func (a *Authenticator) Tap(ctx context.Context, info *tap.Info) (context.Context, error) {
+func (a *Authenticator) Tap(ctx context.Context, info *tap.Info) (_ context.Context, err error) {
 	authCtx, cancel := context.WithTimeout(ctx, tapTimeout)
 	defer cancel()
 	caller, err := a.authenticate(authCtx, info.Header)
@@ -167,12 +201,27 @@ func (a *Authenticator) Tap(ctx context.Context, info *tap.Info) (context.Contex
 		}
 		return nil, err
 	}
+	// ctx is the stream's: gRPC cancels it when the call ends, which gives
+	// back what the call holds.
+	if len(a.callers.NodeAgents) > 0 {
+		release, ok := a.nodeCalls.acquire(caller.Node)
+		if !ok {
+			a.metrics.AuthRefused.WithLabelValues("node-busy").Inc()
+			return nil, status.Errorf(codes.ResourceExhausted, "node %s has %d calls open here; retry", caller.Node, perNodeCalls)
+		}
+		defer func() {
+			if err != nil {
+				release()
+			} else {
+				context.AfterFunc(ctx, release)
+			}
+		}()
+	}
 	if slots, ok := a.slots[info.FullMethodName]; ok {
 		// Never wait here: the calls holding the slots need this
 		// connection's reader to receive their messages.
 		select {
 		case slots <- struct{}{}:
-			// ctx is the stream's: gRPC cancels it when the call ends.
 			context.AfterFunc(ctx, func() { <-slots })
 		default:
 			a.metrics.AuthRefused.WithLabelValues("busy").Inc()

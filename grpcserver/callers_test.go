@@ -3,9 +3,21 @@
 package grpcserver
 
 import (
+	"context"
 	"errors"
+	"log/slog"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
 
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
@@ -58,4 +70,67 @@ func TestAllowedNodeAgent(t *testing.T) {
 			t.Errorf("%s: %v, want %s", name, err, tc.reason)
 		}
 	}
+}
+
+// At the signer, one node's agent has at most perNodeCalls calls open, so
+// that a compromised node cannot hold every slot of the others; a call
+// gives its place back when it ends, or when the tap refuses it after all.
+func TestSignerCallsPerNode(t *testing.T) {
+	const method = "/istio.v1.auth.IstioCertificateService/CreateCertificate"
+	a := &Authenticator{
+		callers: Callers{NodeAgents: []string{"kube-system/cilium"}},
+		db:      statedb.New(), metrics: newMetrics(prometheus.NewRegistry()), log: slog.New(slog.DiscardHandler),
+		logs:  logthrottle.New(time.Second),
+		slots: map[string]chan struct{}{method: make(chan struct{}, perNodeCalls+1)},
+		verify: func(_ context.Context, token string) (Caller, error) {
+			return Caller{Namespace: "kube-system", Pod: "cilium-" + token, ServiceAccount: "cilium", Node: "node-" + token}, nil
+		},
+	}
+	call := func(node string) (context.CancelFunc, error) {
+		ctx, cancel := context.WithCancel(context.Background())
+		_, err := a.Tap(ctx, &tap.Info{FullMethodName: method, Header: metadata.Pairs("authorization", "Bearer "+node)})
+		return cancel, err
+	}
+	var open []context.CancelFunc
+	for range perNodeCalls {
+		end, err := call("a")
+		if err != nil {
+			t.Fatalf("call of node-a within its share: %v", err)
+		}
+		open = append(open, end)
+	}
+	if _, err := call("a"); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("one call more of node-a: %v, want ResourceExhausted", err)
+	}
+	endB, err := call("b")
+	if err != nil {
+		t.Fatalf("node-b while node-a holds its share: %v", err)
+	}
+	openOf := func(node string) int {
+		a.nodeCalls.mu.Lock()
+		defer a.nodeCalls.mu.Unlock()
+		return a.nodeCalls.open[node]
+	}
+	waitFor := func(what string, cond func() bool) {
+		for deadline := time.Now().Add(5 * time.Second); !cond(); time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not in time", what)
+			}
+		}
+	}
+	// The method's slots are full now: node-c is refused, and its node
+	// share is given back at once.
+	if _, err := call("c"); status.Code(err) != codes.ResourceExhausted || openOf("node-c") != 0 {
+		t.Fatalf("node-c with the method's slots full: %v, %d calls held, want ResourceExhausted and none", err, openOf("node-c"))
+	}
+	endB()
+	waitFor("node-b's call given back", func() bool { return openOf("node-b") == 0 && len(a.slots[method]) == perNodeCalls })
+	endC, err := call("c")
+	if err != nil {
+		t.Fatalf("node-c once node-b's call ended: %v", err)
+	}
+	defer endC()
+	open[0]()
+	waitFor("node-a's ended call given back", func() bool { return openOf("node-a") == perNodeCalls-1 })
+	defer open[1]()
 }
