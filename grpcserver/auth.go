@@ -52,9 +52,10 @@ type Caller struct {
 func (c Caller) Key() string { return c.Namespace + "/" + c.Pod }
 
 // Authenticator decides who calls, and whether they may: only the mTLS
-// agent pod of this node passes (in the signer: node agents, see Callers). It runs as the gRPC server's tap handle,
-// on a stream's headers, before the stream exists: nothing a refused
-// caller sends is ever read. Every refusal is logged and counted.
+// agent pod of this node passes (in the signer: node agents, see
+// Callers). It runs as the gRPC server's tap handle, on a stream's
+// headers, before the stream exists: nothing a refused caller sends is
+// ever read. Every refusal is logged and counted.
 type Authenticator struct {
 	log       *slog.Logger
 	metrics   *Metrics

@@ -18,7 +18,6 @@ import (
 	"google.golang.org/grpc/tap"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/logthrottle"
-
 	"github.com/mtlsbridge/mtlsbridge/tables"
 	"github.com/mtlsbridge/mtlsbridge/tables/ingest"
 )

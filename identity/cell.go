@@ -70,11 +70,11 @@ type Config struct {
 	CACertificateRetention time.Duration
 	// CAUpstream is the signer's host:port. When set, certificate requests
 	// this node's CA accepts are signed there, and the node holds no CA
-	// key: its own CA (generated in STATE_DIR/ca) signs only the listener's
-	// certificate.
+	// key: its own CA (generated in STATE_DIR/serving-ca) signs only the
+	// listener's certificate.
 	CAUpstream string
-	// CAUpstreamRoots is the file of roots the signer's serving
-	// certificate chains to (the trust domain's roots).
+	// CAUpstreamRoots is the file of the trust domain's roots, which the
+	// signer's serving certificate and the certificates it returns chain to.
 	CAUpstreamRoots string
 	// CAUpstreamTokenFile is this node agent's token for the signer.
 	CAUpstreamTokenFile string
@@ -97,7 +97,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Duration("ca-reload-interval", def.CAReloadInterval, "How often CA material is re-read (root rotation)")
 	flags.Duration("ca-certificate-retention", def.CACertificateRetention, "How long expired certificates stay in the certificates table")
 	flags.String("ca-upstream", def.CAUpstream, "host:port of the signer (mtlsbridge signer): certificates are signed there and this node holds no CA key")
-	flags.String("ca-upstream-roots", def.CAUpstreamRoots, "With --ca-upstream: PEM file of the roots of the signer's serving certificate (re-read at each connection)")
+	flags.String("ca-upstream-roots", def.CAUpstreamRoots, "With --ca-upstream: PEM file of the trust domain's roots, which the signer's certificate and those it returns must chain to (re-read at each use)")
 	flags.String("ca-upstream-token-file", def.CAUpstreamTokenFile, "With --ca-upstream: this node agent's bearer token for the signer (re-read at each request)")
 }
 

@@ -36,7 +36,7 @@ type caService struct {
 	db           *statedb.DB
 	enrollments  statedb.Table[*enrollment.Enrollment]
 	certificates statedb.RWTable[*Certificate]
-	// callers: the signer's serve node agents, each for its own node.
+	// callers: in the signer, the node agents, each served for its own node.
 	callers grpcserver.Callers
 	// upstream, when set, signs instead of the authority (--ca-upstream).
 	upstream *upstream
