@@ -322,12 +322,6 @@ func TestReadinessNamesMissingCA(t *testing.T) {
 	if h := health(); h.Failing["token-review"] != "" {
 		t.Errorf("token reviews fail with admin credentials: %v", h.Failing)
 	}
-	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
-	must(t, err)
-	_, err = kube.CoreV1().Secrets("kube-system").Create(t.Context(), &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca", Namespace: "kube-system"},
-		Data:       map[string][]byte{identity.CACertFile: certPEM, identity.CAKeyFile: keyPEM},
-	}, metav1.CreateOptions{})
-	must(t, err)
+	createCASecret(t, kube)
 	waitHealth("ready once the Secret exists", func(h api.Health) bool { return h.Ready })
 }
