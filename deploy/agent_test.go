@@ -123,6 +123,8 @@ type cluster struct {
 	secret      *corev1.Secret
 	rootsFile   string
 	signerToken string
+	// signer is the signer's run, as its Deployment runs it.
+	signer *agentRun
 }
 
 func newCluster(t *testing.T) *cluster {
@@ -249,16 +251,16 @@ func (c *cluster) startSigner(t *testing.T, cilium *corev1.Pod) {
 	stateDir, err := os.MkdirTemp("", "mtlsb-signer-")
 	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(stateDir) })
-	args := signerArgs(t, deployment, map[string]string{
+	args := overridden(t, "the signer", deployment.Spec.Template.Spec.Containers[0].Args, map[string]string{
 		"--state-dir":             stateDir,
 		"--ca-dir":                writeSecretDir(t, c.secret),
 		"--grpc-listen":           net.JoinHostPort(c.node.Addr4.String(), "15012"),
 		"--prometheus-serve-addr": "127.0.0.1:0",
 		"--health-serve-addr":     "127.0.0.1:0",
 	})
-	signer := c.runInNode(t, "signer", append([]string{filepath.Join(c.bin, "mtlsbridge")}, append(args, "--kubeconfig="+kubeconfig)...), nil)
-	signer.stateDir = stateDir
-	waitFor(t, signer, "the signer's readiness", func() error {
+	c.signer = c.runInNode(t, "signer", append([]string{filepath.Join(c.bin, "mtlsbridge")}, append(args, "--kubeconfig="+kubeconfig)...), nil)
+	c.signer.stateDir = stateDir
+	waitFor(t, c.signer, "the signer's readiness", func() error {
 		out, err := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "health", "--state-dir="+stateDir).CombinedOutput()
 		if err != nil {
 			return fmt.Errorf("%v: %s", err, out)
@@ -276,22 +278,23 @@ func (c *cluster) startSigner(t *testing.T, cilium *corev1.Pod) {
 	must(t, err)
 }
 
-// signerArgs are the signer container's args with the values of override.
-func signerArgs(t *testing.T, deployment *appsv1.Deployment, override map[string]string) []string {
+// overridden is a container's args with the values of override, each of
+// which the args must set.
+func overridden(t *testing.T, who string, args []string, override map[string]string) []string {
 	t.Helper()
-	var args []string
-	for _, a := range deployment.Spec.Template.Spec.Containers[0].Args {
+	var out []string
+	for _, a := range args {
 		name, _, _ := strings.Cut(a, "=")
 		if v, ok := override[name]; ok {
 			a = name + "=" + v
 			delete(override, name)
 		}
-		args = append(args, a)
+		out = append(out, a)
 	}
 	if len(override) > 0 {
-		t.Fatalf("the signer's args lack %v", override)
+		t.Fatalf("%s's args lack %v", who, override)
 	}
-	return args
+	return out
 }
 
 // sidecarKubeconfig writes the credentials the sidecar has in a cluster:
@@ -334,24 +337,15 @@ type agentRun struct {
 func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []string) *agentRun {
 	t.Helper()
 	args := []string{filepath.Join(c.bin, "mtlsbridge")}
-	override := map[string]string{
+	for _, a := range overridden(t, "the sidecar", c.sidecar.Args, map[string]string{
 		"--state-dir":              stateDir,
 		"--bpf-root":               c.bpfRoot,
 		"--ca-upstream-roots":      c.rootsFile,
 		"--ca-upstream-token-file": c.signerToken,
 		"--cni-conf-dir":           cniConf,
 		"--cni-bin-dir":            cniBin,
-	}
-	for _, a := range c.sidecar.Args {
-		name, _, _ := strings.Cut(a, "=")
-		if v, ok := override[name]; ok {
-			a = name + "=" + v
-			delete(override, name)
-		}
+	}) {
 		args = append(args, strings.ReplaceAll(a, "$(HOST_IP)", "127.0.0.1"))
-	}
-	if len(override) > 0 {
-		t.Fatalf("the sidecar's args lack %v", override)
 	}
 	args = append(args, "--kubeconfig="+c.kubecfg, "--bypass-check-interval=1s")
 	r := c.runInNode(t, "agent", args, caps)
@@ -702,9 +696,11 @@ func TestAgentLeastPrivilege(t *testing.T) {
 		t.Errorf("ready-annotations (%v):\n%s", err, out)
 	}
 	r.stop()
-	if loc := forbiddenRE.FindStringIndex(r.logText()); loc != nil {
-		log := r.logText()
-		t.Errorf("the agent's log says forbidden: %s", log[max(0, loc[0]-300):min(len(log), loc[1]+300)])
+	for who, run := range map[string]*agentRun{"the agent": r, "the signer": c.signer} {
+		if log := run.logText(); forbiddenRE.MatchString(log) {
+			loc := forbiddenRE.FindStringIndex(log)
+			t.Errorf("%s's log says forbidden: %s", who, log[max(0, loc[0]-300):min(len(log), loc[1]+300)])
+		}
 	}
 
 	// What each used against what it was granted.
