@@ -82,18 +82,37 @@ func (s *testSigner) CreateCertificate(ctx context.Context, req *pb.IstioCertifi
 	return s.answer(ctx, req)
 }
 
-func newTestAuthority(t *testing.T) (*Authority, []byte) {
+// newTestAuthority is an Authority of a new root, and the root (PEM).
+func newTestAuthority(tb testing.TB) (*Authority, []byte) {
 	certPEM, keyPEM, err := NewRootMaterial("cluster.local", time.Hour)
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
 	m, err := ParseMaterial(certPEM, keyPEM, nil)
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
 	a := &Authority{}
 	a.Set(m, nil)
 	return a, certPEM
+}
+
+// newCSR is a CSR (PEM, and parsed) for san with a new P-256 key.
+func newCSR(tb testing.TB, san string) (string, *x509.CertificateRequest) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	u, _ := url.Parse(san)
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{u}}, key)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	csr, err := x509.ParseCertificateRequest(der)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})), csr
 }
 
 func serveTestSigner(t *testing.T, serving *Authority, s *testSigner) string {
@@ -128,15 +147,8 @@ func TestUpstreamChecksTheAnswer(t *testing.T) {
 	if err := os.WriteFile(tokenFile, []byte("node-token\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	csrFor := func(san string) (string, *x509.CertificateRequest) {
-		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-		u, _ := url.Parse(san)
-		der, _ := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{u}}, key)
-		csr, _ := x509.ParseCertificateRequest(der)
-		return string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})), csr
-	}
-	csrPEM, csr := csrFor(id)
-	_, otherCSR := csrFor(id)
+	csrPEM, csr := newCSR(t, id)
+	_, otherCSR := newCSR(t, id)
 	signed := func(by *Authority, c *x509.CertificateRequest, san string) (*pb.IstioCertificateResponse, error) {
 		issued, err := by.SignWorkload(c, san, time.Hour)
 		if err != nil {
