@@ -210,17 +210,23 @@ func createPodAs(t *testing.T, kube kubernetes.Interface, ns, name, node, sa str
 
 func waitEnrolled(t *testing.T, a *k8sAgent, key string) {
 	t.Helper()
+	waitEnrollment(t, a, key, "enrolled", func(e *enrollment.Enrollment) bool { return e.Enrolled })
+}
+
+// waitEnrollment waits until pod key's row is what ok says.
+func waitEnrollment(t *testing.T, a *k8sAgent, key, what string, ok func(*enrollment.Enrollment) bool) {
+	t.Helper()
 	deadline := time.After(30 * time.Second)
 	for {
 		e, _, found := a.enrollments.Get(a.db.ReadTxn(), enrollment.ByKey(key))
-		if found && e.Enrolled {
+		if found && ok(e) {
 			return
 		}
 		_, watch := a.enrollments.AllWatch(a.db.ReadTxn())
 		select {
 		case <-watch:
 		case <-deadline:
-			t.Fatalf("%s not enrolled in time", key)
+			t.Fatalf("%s not %s in time", key, what)
 		}
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/agent"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 )
 
 // TestKubernetesSigner runs the CA key in the signer alone: node agents
@@ -42,12 +43,18 @@ func TestKubernetesSigner(t *testing.T) {
 		must(t, err)
 	}
 	createNamespace(t, kube, "app", map[string]string{"io.cilium/mtls-enabled": "true"})
-	createServiceAccounts(t, kube, "kube-system/ztunnel", "kube-system/cilium", "app/web", "app/api")
+	createServiceAccounts(t, kube, "kube-system/ztunnel", "kube-system/cilium", "app/web", "app/api", "app/job")
 	ciliumA := createPodAs(t, kube, "kube-system", "cilium-a", "node-a", "cilium", nil, "10.0.1.2")
 	ciliumB := createPodAs(t, kube, "kube-system", "cilium-b", "node-b", "cilium", nil, "10.0.2.2")
 	ztunnelA := createPodAs(t, kube, "kube-system", "ztunnel-a", "node-a", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "127.0.0.1")
 	createPodAs(t, kube, "app", "web", "node-a", "web", nil, "10.0.1.10")
 	createPodAs(t, kube, "app", "api", "node-b", "api", nil, "10.0.2.10")
+	// A pod just started: the CNI has given it an address that the API
+	// does not show yet, and node-a's mTLS agent asks for its identity.
+	kubetest.CreateRunningPod(t, kube, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "starting", Namespace: "app"},
+		Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "job"},
+	})
 	// A static pod, as root on node-a may make one: the API server refuses
 	// it a service account (and this test's has no admission to add one).
 	kubetest.CreateRunningPod(t, kube, &corev1.Pod{
@@ -57,6 +64,7 @@ func TestKubernetesSigner(t *testing.T) {
 	tokenFor := func(pod *corev1.Pod, audience string) string { return boundToken(t, kube, pod, audience) }
 	const (
 		webID    = "spiffe://cluster.local/ns/app/sa/web"
+		jobID    = "spiffe://cluster.local/ns/app/sa/job"
 		apiID    = "spiffe://cluster.local/ns/app/sa/api"
 		audience = "mtlsbridge-signer"
 	)
@@ -66,6 +74,7 @@ func TestKubernetesSigner(t *testing.T) {
 	waitEnrolled(t, signer, "app/web")
 	waitEnrolled(t, signer, "app/api")
 	waitEnrolled(t, signer, "app/static-node-a")
+	waitEnrollment(t, signer, "app/starting", "awaiting its address", func(e *enrollment.Enrollment) bool { return e.AwaitingIP })
 	signerAddr := grpcAddr(t, signer)
 
 	// node-a's agent: the roots of the trust domain and its own token.
@@ -90,6 +99,11 @@ func TestKubernetesSigner(t *testing.T) {
 		t.Fatalf("node-a's mTLS agent asking for web through node-a: %v", err)
 	}
 	leafVerifies(t, resp, rootPEM, webID)
+	if resp, err := requestCert(t, viaNode, tokenFor(ztunnelA, "istio-ca"), jobID); err != nil {
+		t.Errorf("node-a's mTLS agent asking for a pod awaiting its address in the API: %v", err)
+	} else {
+		leafVerifies(t, resp, rootPEM, jobID)
+	}
 	if _, err := requestCert(t, viaNode, tokenFor(ztunnelA, "istio-ca"), apiID); status.Code(err) != codes.PermissionDenied {
 		t.Errorf("node-a's mTLS agent asking for api (node-b): %v, want PermissionDenied", err)
 	}

@@ -137,7 +137,7 @@ func (s *caService) checkEnrolledOn(node string, id spiffe.ID) (string, *Request
 	}
 	static := ""
 	for e := range rows {
-		if !e.Enrolled || e.Node != node || (e.SpiffeID != id.String() && e.IdentitySpiffeID != id.String()) {
+		if e.Node != node || !e.Holds(id.String()) {
 			continue
 		}
 		if pod, _, found := s.pods.Get(txn, tables.PodByKey(e.Key())); s.kubernetes && found && pod.ServiceAccount == "" {
@@ -151,7 +151,7 @@ func (s *caService) checkEnrolledOn(node string, id spiffe.ID) (string, *Request
 	}
 	if id.Namespace != "" {
 		for e := range s.enrollments.Prefix(txn, enrollment.ByKey(id.Namespace+"/")) {
-			if e.Enrolled && e.SpiffeID == id.String() {
+			if e.Holds(id.String()) {
 				return "", refuse(ReasonNotOnThisNode, "%s belongs to %s on node %q, not to a pod of node %q", id, e.Key(), e.Node, node)
 			}
 		}

@@ -151,6 +151,7 @@ func (d *derivation) run(ctx context.Context, health cell.Health) error {
 // only real changes. A row is kept for each pod of this node and each
 // enrolled pod of the cluster: a remote pod that is not enrolled concerns
 // only its own node's agent, and its row would cost every node memory.
+// The signer keeps as well each pod awaiting its address.
 func (d *derivation) update(dirty map[string]struct{}) {
 	start := time.Now()
 	wtxn := d.DB.WriteTxn(d.Enrollments)
@@ -174,7 +175,9 @@ func (d *derivation) update(dirty map[string]struct{}) {
 			}
 			e = decide(d.Config, in, pod)
 		}
-		switch keep := e != nil && (e.Enrolled || e.Node == d.Node.NodeName); {
+		// The signer (no node of its own) signs for pods awaiting their
+		// address too.
+		switch keep := e != nil && (e.Enrolled || e.Node == d.Node.NodeName || e.AwaitingIP && d.Node.NodeName == ""); {
 		case keep && (!hadOld || *e != *old):
 			d.Enrollments.Insert(wtxn, e)
 			changed++

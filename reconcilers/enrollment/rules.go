@@ -44,7 +44,8 @@ type inputs struct {
 
 // decide applies the enrollment rules (README, "Enrollment rules") to one
 // pod. The first rule that matches decides:
-//  1. never: host network, finished, the mTLS agent, excluded namespace, no IP;
+//  1. never: host network, finished, the mTLS agent, excluded namespace, no IP
+//     (a pod the rules below would enroll awaits its address: AwaitingIP);
 //  2. a CNP/CCNP requiring authentication (authentication.mode required, or
 //     its annotation) that selects the pod (the policy with the smallest
 //     key is named); the pod's opt-out label does not cancel it, and the
@@ -70,8 +71,6 @@ func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 		e.Reason = ReasonMTLSAgent
 	case cfg.excluded(pod.Namespace):
 		e.Reason = ReasonExcludedNamespace
-	case len(pod.IPs) == 0:
-		e.Reason = ReasonNoIP
 	default:
 		ns, _, _ := in.namespaces.Get(in.txn, tables.NamespaceByName(pod.Namespace))
 		if p := selectingPolicy(in, pod, ns, cfg.ClusterName); p != "" {
@@ -89,7 +88,13 @@ func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 			e.Reason = ReasonNotSelected
 		}
 	}
-	if e.Enrolled {
+	if len(pod.IPs) == 0 && !e.Excluded() {
+		// Nothing to redirect yet. Its identities are the pod's already:
+		// its node's mTLS agent asks for them as soon as the CNI has given
+		// the pod an address, before the API shows that address.
+		e.AwaitingIP, e.Enrolled, e.Reason = e.Enrolled, false, ReasonNoIP
+	}
+	if e.Enrolled || e.AwaitingIP {
 		e.SpiffeID = spiffe.WorkloadID(cfg.TrustDomain, pod.Namespace, pod.ServiceAccountOrDefault())
 		// A reserved identity (init, while Cilium resolves the pod's
 		// labels) is never a pod's to prove.

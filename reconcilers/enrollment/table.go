@@ -27,8 +27,13 @@ type Enrollment struct {
 	Reason string `json:"reason"`
 	// Policy is the key of the policy that enrolled the pod, if one did.
 	Policy string `json:"policy,omitempty"`
-	// SpiffeID and IdentitySpiffeID are the identities an enrolled pod may
-	// hold (the second once Cilium has allocated a security identity).
+	// AwaitingIP is true for a pod the rules enroll that has no address
+	// yet (Reason excluded:no-ip): none of its traffic is redirected, but
+	// it holds its identities.
+	AwaitingIP bool `json:"awaitingIP,omitempty"`
+	// SpiffeID and IdentitySpiffeID are the identities an enrolled pod, or
+	// one awaiting its address, may hold (the second once Cilium has
+	// allocated a security identity).
 	SpiffeID         string `json:"spiffeID,omitempty"`
 	IdentitySpiffeID string `json:"identitySpiffeID,omitempty"`
 	// MTLSAgent is true for the mTLS agent pod of its node.
@@ -45,6 +50,7 @@ type Enrollment struct {
 const (
 	NoteIgnoredOptOut     = "opt-out label ignored: a policy requires authentication"
 	NoteIgnoredAgentLabel = "mTLS agent label ignored: namespace not in --mtls-agent-namespaces"
+	NoteAwaitingIP        = "enrolled once it has an address; its identity may be signed already"
 )
 
 func (e *Enrollment) Scope() tables.Scope { return tables.PodScope(e.Key(), e.Node) }
@@ -56,15 +62,24 @@ func (e *Enrollment) TableHeader() []string {
 	return []string{"Pod", "Node", "Enrolled", "Reason", "SpiffeID", "IdentitySpiffeID", "MTLSAgent", "Note"}
 }
 
-// Note says which of the pod's labels the decision ignored, if one.
+// Note says which of the pod's labels the decision ignored, or that the
+// pod awaits its address.
 func (e *Enrollment) Note() string {
 	switch {
 	case e.IgnoredOptOut:
 		return NoteIgnoredOptOut
 	case e.IgnoredAgentLabel:
 		return NoteIgnoredAgentLabel
+	case e.AwaitingIP:
+		return NoteAwaitingIP
 	}
 	return ""
+}
+
+// Holds reports whether the pod may be given the identity id: it is
+// enrolled, or awaits the address that enrolls it, and id is one of its.
+func (e *Enrollment) Holds(id string) bool {
+	return (e.Enrolled || e.AwaitingIP) && (id == e.SpiffeID || id == e.IdentitySpiffeID)
 }
 
 func (e *Enrollment) TableRow() []string {
