@@ -21,13 +21,16 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"sigs.k8s.io/yaml"
 
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TestCiliumChartRendersSidecar renders Cilium's chart with the shipped
@@ -310,6 +313,57 @@ func portOf(v any) int {
 	return 0
 }
 
+// signerPolicy is the part of a CiliumNetworkPolicy the signer's is read
+// for: whom its ingress rules let reach which ports.
+type signerPolicy struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata"`
+	Spec              struct {
+		EndpointSelector metav1.LabelSelector `json:"endpointSelector"`
+		Ingress          []struct {
+			FromEntities []string `json:"fromEntities"`
+			ToPorts      []struct {
+				Ports []struct {
+					Port     string `json:"port"`
+					Protocol string `json:"protocol"`
+				} `json:"ports"`
+			} `json:"toPorts"`
+		} `json:"ingress"`
+	} `json:"spec"`
+}
+
+// checkSignerPolicy: the signer's CiliumNetworkPolicy selects its pods and
+// lets its gRPC and probe ports be reached from nodes (host, remote-node)
+// only, no pod; mtlsbridge reads it as a valid policy that enrolls no one.
+func checkSignerPolicy(t *testing.T, obj *unstructured.Unstructured, signer *appsv1.Deployment, grpcPort, probePort string) {
+	t.Helper()
+	p := typed[signerPolicy](t, obj)
+	selector, err := metav1.LabelSelectorAsSelector(&p.Spec.EndpointSelector)
+	must(t, err)
+	if p.Namespace != signer.Namespace || !selector.Matches(labels.Set(signer.Spec.Template.Labels)) {
+		t.Errorf("the signer's policy (%s, %s) does not select its pods (%s, %v)", p.Namespace, selector, signer.Namespace, signer.Spec.Template.Labels)
+	}
+	for _, port := range []string{grpcPort, probePort} {
+		var from []string
+		for _, rule := range p.Spec.Ingress {
+			for _, to := range rule.ToPorts {
+				for _, pp := range to.Ports {
+					if pp.Port == port && pp.Protocol == "TCP" {
+						from = append(from, rule.FromEntities...)
+					}
+				}
+			}
+		}
+		if slices.Sort(from); !slices.Equal(from, []string{"host", "remote-node"}) {
+			t.Errorf("the signer's port %s is reachable from %v, want the nodes only [host remote-node]", port, from)
+		}
+	}
+	parsed := tables.ParsePolicy(tables.KindCNP, p.Namespace, p.Name, obj.Object)
+	if parsed.Error != "" || parsed.RequiresAuthentication() {
+		t.Errorf("mtlsbridge reads the signer's policy as error %q, requiring authentication %v", parsed.Error, parsed.RequiresAuthentication())
+	}
+}
+
 // checkSignerWiring: the sidecar reaches the signer of
 // deploy/kubernetes/mtlsbridge-signer.yaml (its Service's name and port,
 // which its certificate names and its container serves), with a token of
@@ -345,6 +399,8 @@ func checkSignerWiring(t *testing.T, fs *pflag.FlagSet, ds *appsv1.DaemonSet, si
 	if _, port, _ := net.SplitHostPort(flagString(t, sfs, "health-serve-addr")); port != container.ReadinessProbe.HTTPGet.Port.String() {
 		t.Errorf("the signer's /healthz is on port %s, its probe asks %s", port, container.ReadinessProbe.HTTPGet.Port.String())
 	}
+	checkSignerPolicy(t, find(t, objs, "CiliumNetworkPolicy", "mtlsbridge-signer"), signer,
+		containerPort(svc.Spec.Ports[0].TargetPort.String()), container.ReadinessProbe.HTTPGet.Port.String())
 	for _, flag := range []string{"trust-domain", "excluded-namespaces", "mtls-agent-namespaces", "cluster-name"} {
 		if flagString(t, fs, flag) != flagString(t, sfs, flag) {
 			t.Errorf("--%s: the sidecar's %q, the signer's %q", flag, flagString(t, fs, flag), flagString(t, sfs, flag))

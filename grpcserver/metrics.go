@@ -9,7 +9,7 @@ type Metrics struct {
 	// AuthRefused counts callers refused, by reason.
 	AuthRefused *prometheus.CounterVec
 	// ConnectionsRefused counts connections closed at once because their
-	// pool (agents, others) was full.
+	// pool (agents, others) was full or their address held its share.
 	ConnectionsRefused *prometheus.CounterVec
 }
 
@@ -21,7 +21,7 @@ func newMetrics(reg *prometheus.Registry) *Metrics {
 		}, []string{"reason"}),
 		ConnectionsRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "mtlsbridge_grpc_connections_refused_total",
-			Help: "gRPC connections closed at once because their pool was full, by pool (agents: this node's mTLS agent pods; others)",
+			Help: "gRPC connections closed at once, by pool: agents (this node's mTLS agent pods) or others full, or address (one address held its share of others)",
 		}, []string{"pool"}),
 	}
 	reg.MustRegister(m.AuthRefused, m.ConnectionsRefused)
