@@ -248,17 +248,53 @@ func (c *cluster) startSigner(t *testing.T, cilium *corev1.Pod) {
 		&authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: new(int64(3600))}}, metav1.CreateOptions{})
 	must(t, err)
 	kubeconfig := sidecarKubeconfig(t, &rest.Config{BearerToken: signerTR.Status.Token, TLSClientConfig: rest.TLSClientConfig{CAData: c.srv.Config.CAData}}, "https://"+c.apiAddr)
-	stateDir, err := os.MkdirTemp("", "mtlsb-signer-")
+
+	// The signer runs as its pod's user, with its volumes as the kubelet
+	// makes them: owned by root and the pod's fsGroup, the Secret's files
+	// of the volume's mode, the emptyDir writable by all.
+	pod := &deployment.Spec.Template.Spec
+	container := &pod.Containers[0]
+	user := &execUser{UID: int(*pod.SecurityContext.RunAsUser), GID: int(*pod.SecurityContext.RunAsGroup), Groups: []int{int(*pod.SecurityContext.FSGroup)}}
+	volumes, err := os.MkdirTemp("", "mtlsb-signer-")
 	must(t, err)
-	t.Cleanup(func() { os.RemoveAll(stateDir) })
-	args := overridden(t, "the signer", deployment.Spec.Template.Spec.Containers[0].Args, map[string]string{
+	t.Cleanup(func() { os.RemoveAll(volumes) })
+	asVolume := func(path string, mode os.FileMode) {
+		must(t, os.Chown(path, 0, int(*pod.SecurityContext.FSGroup)))
+		must(t, os.Chmod(path, mode))
+	}
+	asVolume(volumes, 0o755)
+	caDir, emptyDir := filepath.Join(volumes, "ca"), filepath.Join(volumes, "state")
+	must(t, os.Mkdir(caDir, 0o755))
+	for name, data := range c.secret.Data {
+		must(t, os.WriteFile(filepath.Join(caDir, name), data, 0o400))
+		asVolume(filepath.Join(caDir, name), os.FileMode(*volumeNamed(pod.Volumes, "ca").Secret.DefaultMode))
+	}
+	must(t, os.Mkdir(emptyDir, 0o700))
+	asVolume(emptyDir, 0o777|os.ModeSetgid)
+	kubeconfigData, err := os.ReadFile(kubeconfig)
+	must(t, err)
+	kubeconfig = filepath.Join(volumes, "kubeconfig") // the token's stand-in
+	must(t, os.WriteFile(kubeconfig, kubeconfigData, 0o400))
+	asVolume(kubeconfig, 0o440)
+	// Its executable, in the test's folder (t.TempDir: two levels).
+	for _, dir := range []string{c.bin, filepath.Dir(c.bin)} {
+		must(t, os.Chmod(dir, 0o755))
+	}
+	stateMount := ""
+	for _, m := range container.VolumeMounts {
+		if m.Name == "state" {
+			stateMount = m.MountPath
+		}
+	}
+	stateDir := filepath.Join(emptyDir, strings.TrimPrefix(flagString(t, signerFlags(t, container), "state-dir"), stateMount))
+	args := overridden(t, "the signer", container.Args, map[string]string{
 		"--state-dir":             stateDir,
-		"--ca-dir":                writeSecretDir(t, c.secret),
+		"--ca-dir":                caDir,
 		"--grpc-listen":           net.JoinHostPort(c.node.Addr4.String(), "15012"),
 		"--prometheus-serve-addr": "127.0.0.1:0",
 		"--health-serve-addr":     "127.0.0.1:0",
 	})
-	c.signer = c.runInNode(t, "signer", append([]string{filepath.Join(c.bin, "mtlsbridge")}, append(args, "--kubeconfig="+kubeconfig)...), nil)
+	c.signer = c.runInNode(t, "signer", append([]string{filepath.Join(c.bin, "mtlsbridge")}, append(args, "--kubeconfig="+kubeconfig)...), nil, user)
 	c.signer.stateDir = stateDir
 	waitFor(t, c.signer, "the signer's readiness", func() error {
 		out, err := exec.Command(filepath.Join(c.bin, "mtlsbridge"), "health", "--state-dir="+stateDir).CombinedOutput()
@@ -267,6 +303,9 @@ func (c *cluster) startSigner(t *testing.T, cilium *corev1.Pod) {
 		}
 		return nil
 	})
+	if uid, err := effectiveUID(c.signer.cmd.Process.Pid); err != nil || uid != user.UID {
+		t.Fatalf("the signer runs as uid %d (%v), not its pod's %d", uid, err, user.UID)
+	}
 
 	ready := true
 	_, err = c.admin.DiscoveryV1().EndpointSlices(ciliumNS).Create(ctx, &discoveryv1.EndpointSlice{
@@ -348,16 +387,16 @@ func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []s
 		args = append(args, strings.ReplaceAll(a, "$(HOST_IP)", "127.0.0.1"))
 	}
 	args = append(args, "--kubeconfig="+c.kubecfg, "--bypass-check-interval=1s")
-	r := c.runInNode(t, "agent", args, caps)
+	r := c.runInNode(t, "agent", args, caps, nil)
 	r.stateDir, r.cniConf, r.cniBin = stateDir, cniConf, cniBin
 	return r
 }
 
 // runInNode runs argv in the node's namespace with exactly caps, logging
 // to a file of its own, until the test ends.
-func (c *cluster) runInNode(t *testing.T, name string, argv, caps []string) *agentRun {
+func (c *cluster) runInNode(t *testing.T, name string, argv, caps []string, user *execUser) *agentRun {
 	t.Helper()
-	spec, err := json.Marshal(execSpec{Netns: "/run/netns/" + c.node.Name, Caps: caps, Argv: argv})
+	spec, err := json.Marshal(execSpec{Netns: "/run/netns/" + c.node.Name, Caps: caps, User: user, Argv: argv})
 	must(t, err)
 	r := &agentRun{log: filepath.Join(t.TempDir(), name+".log"), done: make(chan struct{})}
 	logFile, err := os.Create(r.log)

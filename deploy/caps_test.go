@@ -25,7 +25,15 @@ type execSpec struct {
 	Netns string
 	// Caps are the capabilities to keep, by Kubernetes name (NET_ADMIN).
 	Caps []string
+	// User, when set, is whom the command runs as (a container's
+	// runAsUser, runAsGroup and fsGroup), after the capabilities go.
+	User *execUser
 	Argv []string
+}
+
+type execUser struct {
+	UID, GID int
+	Groups   []int
 }
 
 func TestMain(m *testing.M) {
@@ -66,7 +74,8 @@ func capMask(t *testing.T, caps []string) uint64 {
 }
 
 // execWithCaps enters the namespace, drops every capability but spec.Caps
-// from the bounding and inheritable sets, and executes the agent. Root's
+// from the bounding and inheritable sets, becomes spec.User if given, and
+// executes the agent. Root's
 // capabilities after execve are then exactly the bounding set (no file
 // capabilities, no ambient ones). Everything happens on one locked thread:
 // namespaces and capability sets are per thread, and execve runs on it.
@@ -118,6 +127,18 @@ func execWithCaps(raw string) error {
 	if err := unix.Capset(&hdr, &data[0]); err != nil {
 		return err
 	}
+	if u := spec.User; u != nil {
+		// Per thread, as the rest: execve takes this thread's credentials.
+		if err := unix.Setgroups(u.Groups); err != nil {
+			return fmt.Errorf("setgroups %v: %w", u.Groups, err)
+		}
+		if err := unix.Setresgid(u.GID, u.GID, u.GID); err != nil {
+			return fmt.Errorf("setresgid %d: %w", u.GID, err)
+		}
+		if err := unix.Setresuid(u.UID, u.UID, u.UID); err != nil {
+			return fmt.Errorf("setresuid %d: %w", u.UID, err)
+		}
+	}
 	env := make([]string, 0, len(os.Environ()))
 	for _, e := range os.Environ() {
 		if !strings.HasPrefix(e, execEnv+"=") {
@@ -129,14 +150,35 @@ func execWithCaps(raw string) error {
 
 // effectiveCaps reads a process's effective capability set.
 func effectiveCaps(pid int) (uint64, error) {
-	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	v, err := procStatus(pid, "CapEff")
 	if err != nil {
 		return 0, err
 	}
+	return strconv.ParseUint(v, 16, 64)
+}
+
+// effectiveUID reads a process's effective user id.
+func effectiveUID(pid int) (int, error) {
+	v, err := procStatus(pid, "Uid") // real, effective, saved, file system
+	if err != nil {
+		return 0, err
+	}
+	if ids := strings.Fields(v); len(ids) > 1 {
+		return strconv.Atoi(ids[1])
+	}
+	return 0, fmt.Errorf("/proc/%d/status: Uid %q", pid, v)
+}
+
+// procStatus reads a field of /proc/PID/status.
+func procStatus(pid int, field string) (string, error) {
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return "", err
+	}
 	for _, line := range strings.Split(string(status), "\n") {
-		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
-			return strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+		if v, ok := strings.CutPrefix(line, field+":"); ok {
+			return strings.TrimSpace(v), nil
 		}
 	}
-	return 0, fmt.Errorf("no CapEff in /proc/%d/status", pid)
+	return "", fmt.Errorf("no %s in /proc/%d/status", field, pid)
 }
