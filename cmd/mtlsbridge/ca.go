@@ -8,15 +8,18 @@ import (
 	"path/filepath"
 
 	"github.com/spf13/cobra"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/spiffe"
 )
 
-// caCmd rotates the root of a CA folder. The agent picks changes up within
+// caCmd rotates the root of a CA folder, or of the signer's Secret with the
+// nodes' roots ConfigMap. The agent picks changes up within
 // --ca-reload-interval.
 func caCmd() *cobra.Command {
-	var caDir, trustDomain string
+	var caDir, trustDomain, secret, rootsConfigMap, kubeconfig string
 	var stateDir *string
 	dir := func() string {
 		if caDir != "" {
@@ -24,12 +27,39 @@ func caCmd() *cobra.Command {
 		}
 		return filepath.Join(*stateDir, "ca")
 	}
+	where := func() string {
+		if secret != "" {
+			return "Secret " + secret
+		}
+		return dir()
+	}
+	// apply runs a step on the folder, or on the Secret's material.
+	apply := func(cmd *cobra.Command, step func(dir string) error) error {
+		if secret == "" {
+			return step(dir())
+		}
+		rules := clientcmd.NewDefaultClientConfigLoadingRules()
+		rules.ExplicitPath = kubeconfig
+		cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
+		if err != nil {
+			return fmt.Errorf("kubeconfig: %w", err)
+		}
+		kube, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			return err
+		}
+		return identity.StepSecret(cmd.Context(), kube, secret, rootsConfigMap, step)
+	}
 	cmd := &cobra.Command{
 		Use:   "ca",
-		Short: "Rotate the root of the certificate authority (CA folder)",
+		Short: "Rotate the root of the certificate authority (CA folder, or the signer's Secret)",
 	}
 	stateDir = stateDirFlag(cmd, true)
 	cmd.PersistentFlags().StringVar(&caDir, "ca-dir", "", "CA folder, when not STATE_DIR/ca")
+	cmd.PersistentFlags().StringVar(&secret, "secret", "", "NAMESPACE/NAME of the signer's CA Secret, to work on instead of a folder (e.g. kube-system/mtlsbridge-ca)")
+	cmd.PersistentFlags().StringVar(&rootsConfigMap, "roots-configmap", "kube-system/mtlsbridge-ca-roots",
+		"With --secret: NAMESPACE/NAME of the nodes' roots ConfigMap, kept in step with the Secret")
+	cmd.PersistentFlags().StringVar(&kubeconfig, "kubeconfig", "", "With --secret: kubeconfig file (default: $KUBECONFIG, else ~/.kube/config)")
 	rotate := &cobra.Command{
 		Use:   "rotate",
 		Short: "Advance a rotation: first a new root is trusted, run again it signs",
@@ -38,17 +68,20 @@ func caCmd() *cobra.Command {
 			if err := spiffe.ValidateTrustDomain(trustDomain); err != nil {
 				return fmt.Errorf("--trust-domain: %w", err)
 			}
-			step, err := identity.RotateDir(dir(), trustDomain)
-			if err != nil {
+			var step identity.RotationStep
+			if err := apply(cmd, func(dir string) (err error) {
+				step, err = identity.RotateDir(dir, trustDomain)
+				return err
+			}); err != nil {
 				return err
 			}
 			switch step {
 			case identity.RootTrusted:
-				fmt.Fprintf(cmd.OutOrStdout(), "New root in %s trusted; the current one still signs. "+
+				fmt.Fprintf(cmd.OutOrStdout(), "New root in %s (%s) trusted; the current one still signs. "+
 					"Once every mTLS agent has the new bundle, run `mtlsbridge ca rotate` again.\n",
-					filepath.Join(dir(), identity.NextCACertFile))
+					where(), identity.NextCACertFile)
 			case identity.RootSigning:
-				fmt.Fprintf(cmd.OutOrStdout(), "The new root signs in %s; the previous one stays trusted until `mtlsbridge ca retire`.\n", dir())
+				fmt.Fprintf(cmd.OutOrStdout(), "The new root signs in %s; the previous one stays trusted until `mtlsbridge ca retire`.\n", where())
 			}
 			return nil
 		},
@@ -59,13 +92,13 @@ func caCmd() *cobra.Command {
 		Short: "End a rotation: only the signing root stays trusted",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := identity.RetireDir(dir()); errors.Is(err, identity.ErrNothingToRetire) {
-				fmt.Fprintf(cmd.OutOrStdout(), "Nothing to retire: %s trusts only its signing root (no rotation in progress).\n", dir())
+			if err := apply(cmd, identity.RetireDir); errors.Is(err, identity.ErrNothingToRetire) {
+				fmt.Fprintf(cmd.OutOrStdout(), "Nothing to retire: %s trusts only its signing root (no rotation in progress).\n", where())
 				return nil
 			} else if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "Older roots retired in %s.\n", dir())
+			fmt.Fprintf(cmd.OutOrStdout(), "Older roots retired in %s.\n", where())
 			return nil
 		},
 	}

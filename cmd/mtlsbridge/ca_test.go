@@ -1,0 +1,114 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package main
+
+import (
+	"bytes"
+	"crypto/x509"
+	"encoding/pem"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+)
+
+// A rotation of the signer's Secret on a real API server: each step
+// changes the Secret as it changes a folder, and the nodes' roots
+// ConfigMap follows (created if missing): it holds every root the Secret
+// trusts, so nodes verify the signer's answers before and after the new
+// root signs, and only the new root once the old one is retired. Keys of
+// the Secret that are not CA material stay.
+func TestRotateTheSignersSecret(t *testing.T) {
+	cfg := kubetest.Start(t)
+	kube := kubernetes.NewForConfigOrDie(cfg)
+	ctx := t.Context()
+	certPEM, keyPEM, err := identity.NewRootMaterial("cluster.local", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = kube.CoreV1().Secrets("kube-system").Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca"},
+		Data:       map[string][]byte{identity.CACertFile: certPEM, identity.CAKeyFile: keyPEM, "note": []byte("kept")},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := certificates(t, certPEM)[0]
+	kubeconfig := kubetest.WriteKubeconfig(t, cfg)
+	run := func(step, want string) {
+		t.Helper()
+		cmd := rootCmd()
+		var out bytes.Buffer
+		cmd.SetOut(&out)
+		cmd.SetArgs([]string{"ca", step, "--secret=kube-system/mtlsbridge-ca", "--kubeconfig=" + kubeconfig})
+		if err := cmd.Execute(); err != nil || !strings.Contains(out.String(), want) {
+			t.Fatalf("ca %s: %v, %q (want %q)", step, err, out.String(), want)
+		}
+	}
+	// state reads the Secret's signing root, its next root if any, and the
+	// ConfigMap's roots.
+	state := func() (signing, next *x509.Certificate, roots []*x509.Certificate) {
+		t.Helper()
+		s, err := kube.CoreV1().Secrets("kube-system").Get(ctx, "mtlsbridge-ca", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(s.Data["note"]) != "kept" {
+			t.Errorf("the Secret's other key: %q", s.Data["note"])
+		}
+		if nextPEM, ok := s.Data[identity.NextCACertFile]; ok {
+			next = certificates(t, nextPEM)[0]
+		}
+		cm, err := kube.CoreV1().ConfigMaps("kube-system").Get(ctx, "mtlsbridge-ca-roots", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return certificates(t, s.Data[identity.CACertFile])[0], next, certificates(t, []byte(cm.Data[identity.RootsKey]))
+	}
+	same := func(got []*x509.Certificate, want ...*x509.Certificate) bool {
+		return slices.EqualFunc(got, want, (*x509.Certificate).Equal)
+	}
+
+	// 1. A new root is trusted; the first still signs. The ConfigMap did
+	// not exist: it is created.
+	run("rotate", "trusted")
+	signing, next, roots := state()
+	if !signing.Equal(first) || next == nil || !same(roots, first, next) {
+		t.Fatalf("after the first step: signing %v, next %v, roots %v", signing.Subject, next, roots)
+	}
+	second := next
+	// 2. The new root signs; both stay trusted.
+	run("rotate", "signs")
+	if signing, next, roots = state(); !signing.Equal(second) || next != nil || !same(roots, second, first) {
+		t.Fatalf("after the second step: signing %v, next %v, %d roots", signing.Subject, next, len(roots))
+	}
+	// 3. Retired: the new root alone.
+	run("retire", "retired")
+	if signing, _, roots = state(); !signing.Equal(second) || !same(roots, second) {
+		t.Fatalf("after retire: signing %v, %d roots", signing.Subject, len(roots))
+	}
+	run("retire", "Nothing to retire")
+}
+
+func certificates(t *testing.T, pemData []byte) []*x509.Certificate {
+	t.Helper()
+	var out []*x509.Certificate
+	for block, rest := pem.Decode(pemData); block != nil; block, rest = pem.Decode(rest) {
+		c, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, c)
+	}
+	if len(out) == 0 {
+		t.Fatalf("no certificate in %q", pemData)
+	}
+	return out
+}
