@@ -121,9 +121,10 @@ func TestKubernetesSigner(t *testing.T) {
 		token, id, reason string
 		code              codes.Code
 	}{
-		"node-a's agent for node-b's identity": {nodeAToken, apiID, identity.ReasonNotOnThisNode, codes.PermissionDenied},
-		"an mTLS agent, not a node agent":      {tokenFor(ztunnelA, audience), webID, "not a node agent's", codes.PermissionDenied},
-		"node-a's token for the node's CA":     {tokenFor(ciliumA, "istio-ca"), webID, audience, codes.Unauthenticated},
+		"node-a's agent for node-b's identity":                 {nodeAToken, apiID, identity.ReasonNotOnThisNode, codes.PermissionDenied},
+		"node-b's agent for node-a's pod awaiting its address": {tokenFor(ciliumB, audience), jobID, identity.ReasonNotOnThisNode, codes.PermissionDenied},
+		"an mTLS agent, not a node agent":                      {tokenFor(ztunnelA, audience), webID, "not a node agent's", codes.PermissionDenied},
+		"node-a's token for the node's CA":                     {tokenFor(ciliumA, "istio-ca"), webID, audience, codes.Unauthenticated},
 		// Cilium identities are what nodes write in CiliumEndpoints.
 		"node-a's agent for a Cilium identity": {nodeAToken, "spiffe://cluster.local/identity/4242", identity.ReasonIdentityScheme, codes.PermissionDenied},
 		"node-a's agent for its static pod":    {nodeAToken, "spiffe://cluster.local/ns/app/sa/default", identity.ReasonNoServiceAccount, codes.PermissionDenied},

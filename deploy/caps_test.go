@@ -128,7 +128,8 @@ func execWithCaps(raw string) error {
 		return err
 	}
 	if u := spec.User; u != nil {
-		// Per thread, as the rest: execve takes this thread's credentials.
+		// Groups are set for this thread only (the ids for every thread):
+		// execve, next, runs on it.
 		if err := unix.Setgroups(u.Groups); err != nil {
 			return fmt.Errorf("setgroups %v: %w", u.Groups, err)
 		}

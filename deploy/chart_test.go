@@ -314,7 +314,8 @@ func portOf(v any) int {
 }
 
 // signerPolicy is the part of a CiliumNetworkPolicy the signer's is read
-// for: whom its ingress rules let reach which ports.
+// for: whom its ingress rules let reach which ports. Read strictly (typed):
+// a rule naming peers another way (fromEndpoints, fromCIDR, ...) fails.
 type signerPolicy struct {
 	metav1.TypeMeta   `json:",inline"`
 	metav1.ObjectMeta `json:"metadata"`
@@ -342,6 +343,11 @@ func checkSignerPolicy(t *testing.T, obj *unstructured.Unstructured, signer *app
 	must(t, err)
 	if p.Namespace != signer.Namespace || !selector.Matches(labels.Set(signer.Spec.Template.Labels)) {
 		t.Errorf("the signer's policy (%s, %s) does not select its pods (%s, %v)", p.Namespace, selector, signer.Namespace, signer.Spec.Template.Labels)
+	}
+	for i, rule := range p.Spec.Ingress {
+		if len(rule.ToPorts) == 0 {
+			t.Errorf("the signer's policy: ingress rule %d names no port, so it opens them all", i)
+		}
 	}
 	for _, port := range []string{grpcPort, probePort} {
 		var from []string

@@ -23,8 +23,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-
-	"github.com/mtlsbridge/mtlsbridge/internal/atomicfile"
 )
 
 // Files of CA material in a CA folder (STATE_DIR/ca, --ca-dir) or keys of a
@@ -174,25 +172,12 @@ func newSerial() (*big.Int, error) {
 // LoadDir reads CA material from a folder; generate creates it first when
 // the folder has none (folder mode's first start).
 func LoadDir(dir, trustDomain string, generate bool) (*Material, error) {
-	certPath, keyPath := filepath.Join(dir, CACertFile), filepath.Join(dir, CAKeyFile)
-	if _, err := os.Stat(certPath); errors.Is(err, os.ErrNotExist) && generate {
+	if _, err := os.Stat(filepath.Join(dir, CACertFile)); errors.Is(err, os.ErrNotExist) && generate {
 		if err := writeNewRoot(dir, trustDomain); err != nil {
 			return nil, err
 		}
 	}
-	certPEM, err := os.ReadFile(certPath)
-	if err != nil {
-		return nil, err
-	}
-	keyPEM, err := os.ReadFile(keyPath)
-	if err != nil {
-		return nil, err
-	}
-	trusted, err := os.ReadFile(filepath.Join(dir, TrustedRootsFile))
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, err
-	}
-	return ParseMaterial(certPEM, keyPEM, trusted)
+	return loadMaterial(dirFiles(dir))
 }
 
 // rootValidity is the lifetime of a generated root.
@@ -206,141 +191,8 @@ func writeNewRoot(dir, trustDomain string) error {
 	if err != nil {
 		return err
 	}
-	return writeRoot(dir, CACertFile, CAKeyFile, certPEM, keyPEM)
+	return writeRoot(dirFiles(dir), CACertFile, CAKeyFile, certPEM, keyPEM)
 }
-
-// writeRoot writes a root and its key. Key first: a folder with a
-// certificate but no key is never valid.
-func writeRoot(dir, certFile, keyFile string, certPEM, keyPEM []byte) error {
-	if err := atomicfile.Write(filepath.Join(dir, keyFile), keyPEM, 0o600); err != nil {
-		return err
-	}
-	return atomicfile.Write(filepath.Join(dir, certFile), certPEM, 0o644)
-}
-
-// The next root of a rotation in a CA folder, between its two steps.
-const (
-	NextCACertFile = "next-ca-cert.pem"
-	NextCAKeyFile  = "next-ca-key.pem"
-)
-
-// RotationStep is what RotateDir did.
-type RotationStep int
-
-const (
-	// RootTrusted: a new root is trusted (it is in the bundle); the
-	// current root still signs.
-	RootTrusted RotationStep = iota + 1
-	// RootSigning: the root trusted in the first step signs; the one
-	// before it stays trusted until RetireDir.
-	RootSigning
-)
-
-// RotateDir advances a root rotation in a CA folder by one step. A new
-// root is trusted before it signs, so that no peer is shown a certificate
-// it cannot verify yet:
-//  1. without a next root, a new one is written as the next root
-//     (NextCACertFile) and joins the trusted roots;
-//  2. with one, it becomes the signing root, and the current root joins
-//     the trusted roots.
-//
-// Between the steps, every mTLS agent must pick up the bundle. Certificates
-// of both roots verify against it until RetireDir. A step that was
-// interrupted is completed by running RotateDir again.
-func RotateDir(dir, trustDomain string) (RotationStep, error) {
-	nextCert, nextKey := filepath.Join(dir, NextCACertFile), filepath.Join(dir, NextCAKeyFile)
-	certPEM, certErr := os.ReadFile(nextCert)
-	keyPEM, keyErr := os.ReadFile(nextKey)
-	// The next root's key, then its certificate, become the signing ones,
-	// then the next files go, key first: each interruption is recognised
-	// and completed here.
-	finish := func() (RotationStep, error) {
-		return RootSigning, errors.Join(ignoreNotExist(os.Remove(nextKey)), ignoreNotExist(os.Remove(nextCert)))
-	}
-	current, err := LoadDir(dir, trustDomain, false)
-	if err != nil {
-		signingKey, readErr := os.ReadFile(filepath.Join(dir, CAKeyFile))
-		if certErr != nil || keyErr != nil || readErr != nil || !bytes.Equal(signingKey, keyPEM) {
-			return 0, err
-		}
-		if err := atomicfile.Write(filepath.Join(dir, CACertFile), certPEM, 0o644); err != nil {
-			return 0, err
-		}
-		return finish()
-	}
-	if certs, _ := parseCertificates(certPEM); certErr == nil && len(certs) == 1 && certs[0].Equal(current.Root) {
-		return finish() // it signs already
-	}
-	if errors.Is(certErr, os.ErrNotExist) || errors.Is(keyErr, os.ErrNotExist) {
-		// No next root, or only part of one: a new one.
-		if certPEM, keyPEM, err = NewRootMaterial(trustDomain, rootValidity); err != nil {
-			return 0, err
-		}
-		if err := writeRoot(dir, NextCACertFile, NextCAKeyFile, certPEM, keyPEM); err != nil {
-			return 0, err
-		}
-	} else if err := errors.Join(certErr, keyErr); err != nil {
-		return 0, err
-	}
-	next, err := ParseMaterial(certPEM, keyPEM, nil)
-	if err != nil {
-		return 0, fmt.Errorf("next root: %w", err)
-	}
-	if !slices.ContainsFunc(current.Trusted, next.Root.Equal) {
-		return RootTrusted, writeTrusted(dir, append(current.Trusted, next.Root))
-	}
-	// Trusted first: until the next root signs, the current one must be.
-	// The next root stays listed, so that a second step interrupted here is
-	// still recognised as one.
-	others := slices.DeleteFunc(slices.Clone(current.Trusted), func(c *x509.Certificate) bool {
-		return c.Equal(next.Root) || c.Equal(current.Root)
-	})
-	trusted := append([]*x509.Certificate{current.Root}, others...)
-	if err := writeTrusted(dir, append(trusted, next.Root)); err != nil {
-		return 0, err
-	}
-	if err := writeRoot(dir, CACertFile, CAKeyFile, certPEM, keyPEM); err != nil {
-		return 0, err
-	}
-	return finish()
-}
-
-func ignoreNotExist(err error) error {
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	return err
-}
-
-func writeTrusted(dir string, roots []*x509.Certificate) error {
-	var b bytes.Buffer
-	for _, c := range roots {
-		pem.Encode(&b, &pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})
-	}
-	return atomicfile.Write(filepath.Join(dir, TrustedRootsFile), b.Bytes(), 0o644)
-}
-
-// RetireDir ends a rotation: only the signing root stays trusted. Run it once
-// every certificate signed by the older roots has expired.
-//
-// Possible errors: ErrNothingToRetire when no older root is trusted.
-func RetireDir(dir string) error {
-	if _, err := os.Stat(filepath.Join(dir, NextCACertFile)); err == nil {
-		return fmt.Errorf("%w: %s holds a next root that is not signing yet", ErrRotationHalfway, dir)
-	}
-	err := os.Remove(filepath.Join(dir, TrustedRootsFile))
-	if errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("%w: %s has no %s", ErrNothingToRetire, dir, TrustedRootsFile)
-	}
-	return err
-}
-
-// ErrRotationHalfway: RetireDir would untrust a root about to sign; the
-// rotation's second step comes first.
-var ErrRotationHalfway = errors.New("rotation half-way: run rotate again first")
-
-// ErrNothingToRetire: RetireDir found no rotation in progress.
-var ErrNothingToRetire = errors.New("nothing to retire: no older root is trusted")
 
 // Authority signs workload certificates with the current material, which a
 // rotation may replace at any time.

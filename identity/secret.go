@@ -5,11 +5,11 @@ package identity
 import (
 	"bytes"
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"maps"
-	"os"
-	"path/filepath"
+	"slices"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -22,19 +22,43 @@ import (
 // ConfigMap (--ca-upstream-roots reads it as a file).
 const RootsKey = "roots.pem"
 
-// materialFiles are the files of a CA folder, and the keys of a CA Secret.
-var materialFiles = []string{CACertFile, CAKeyFile, TrustedRootsFile, NextCACertFile, NextCAKeyFile}
+// lastAppliedAnnotation is where `kubectl apply` keeps a copy of what it
+// applied: for a CA Secret, a copy of its key.
+const lastAppliedAnnotation = "kubectl.kubernetes.io/last-applied-configuration"
 
-// StepSecret runs a step of a root rotation (RotateDir, RetireDir) on the
-// CA material of a Secret (NAMESPACE/NAME) and keeps the nodes' roots
-// ConfigMap in step: it then holds the material's bundle, the roots the
-// signer's answers are verified with. The ConfigMap is written first: a
-// step never takes a root the signer signs with out of the bundle, so
-// nodes that trust more for a while verify the same answers, and a run
-// interrupted between the two writes is completed by running it again
-// (the step is computed from the Secret, which has not changed).
-// The Secret's update fails if it changed since it was read.
-func StepSecret(ctx context.Context, kube kubernetes.Interface, secretName, rootsName string, step func(dir string) error) error {
+// ErrRootsNotPublished: a step would make a root sign that the nodes'
+// roots ConfigMap did not hold; the ConfigMap holds it now, and the step
+// is to be run again once the ConfigMap has reached every node.
+var ErrRootsNotPublished = errors.New("the roots ConfigMap did not hold the root about to sign")
+
+// RotateSecret is RotateDir on the CA material of a Secret
+// (NAMESPACE/NAME), with the nodes' roots ConfigMap (NAMESPACE/NAME) kept
+// in step (see stepSecret).
+func RotateSecret(ctx context.Context, kube kubernetes.Interface, secret, roots, trustDomain string) (RotationStep, error) {
+	var step RotationStep
+	err := stepSecret(ctx, kube, secret, roots, func(files materialFiles) (err error) {
+		step, err = rotate(files, trustDomain)
+		return err
+	})
+	return step, err
+}
+
+// RetireSecret is RetireDir on the CA material of a Secret, with the
+// nodes' roots ConfigMap kept in step.
+func RetireSecret(ctx context.Context, kube kubernetes.Interface, secret, roots string) error {
+	return stepSecret(ctx, kube, secret, roots, retire)
+}
+
+// stepSecret runs a rotation step on a Secret's material, in memory, and
+// writes the bundle it then trusts to the roots ConfigMap before the
+// Secret: the nodes verify the signer's answers with the ConfigMap, so it
+// must hold a root before that root signs. A step that makes a new root
+// sign is refused (ErrRootsNotPublished) while the ConfigMap, as read,
+// lacks that root (it was missing, edited, or written by a run that
+// lost a race): the ConfigMap is written, and the Secret left for a run
+// once it has reached the nodes. A Secret that changed since it was read
+// is not overwritten.
+func stepSecret(ctx context.Context, kube kubernetes.Interface, secretName, rootsName string, step func(materialFiles) error) error {
 	ns, name, ok := strings.Cut(secretName, "/")
 	if !ok || ns == "" || name == "" {
 		return fmt.Errorf("Secret %q: want NAMESPACE/NAME", secretName)
@@ -44,74 +68,71 @@ func StepSecret(ctx context.Context, kube kubernetes.Interface, secretName, root
 	if err != nil {
 		return fmt.Errorf("Secret %s: %w", secretName, err)
 	}
-	dir, err := os.MkdirTemp("", "mtlsbridge-ca-")
+	before, err := loadMaterial(memoryFiles{"Secret " + secretName, secret.Data})
 	if err != nil {
+		return fmt.Errorf("Secret %s: %w", secretName, err)
+	}
+	files := memoryFiles{"Secret " + secretName, maps.Clone(secret.Data)}
+	if err := step(files); err != nil {
 		return err
 	}
-	defer os.RemoveAll(dir)
-	for _, file := range materialFiles {
-		if data, ok := secret.Data[file]; ok {
-			if err := os.WriteFile(filepath.Join(dir, file), data, 0o600); err != nil {
-				return err
-			}
-		}
-	}
-	if err := step(dir); err != nil {
-		return err
-	}
-	data := maps.Clone(secret.Data)
-	for _, file := range materialFiles {
-		content, err := os.ReadFile(filepath.Join(dir, file))
-		switch {
-		case errors.Is(err, os.ErrNotExist):
-			delete(data, file)
-		case err != nil:
-			return err
-		default:
-			data[file] = content
-		}
-	}
-	m, err := ParseMaterial(data[CACertFile], data[CAKeyFile], data[TrustedRootsFile])
+	after, err := loadMaterial(files)
 	if err != nil {
 		return fmt.Errorf("Secret %s after the step: %w", secretName, err)
 	}
-	if err := writeRoots(ctx, kube, rootsName, string(m.BundlePEM())); err != nil {
+	published, err := writeRoots(ctx, kube, rootsName, after.BundlePEM())
+	if err != nil {
 		return err
 	}
-	if maps.EqualFunc(secret.Data, data, bytes.Equal) {
+	if !after.Root.Equal(before.Root) && !slices.ContainsFunc(published, after.Root.Equal) {
+		return fmt.Errorf("%w (%s): it holds it now; once it has reached every node (the kubelet's sync, about a minute), run the step again",
+			ErrRootsNotPublished, rootsName)
+	}
+	if maps.EqualFunc(secret.Data, files.files, bytes.Equal) {
 		return nil
 	}
-	secret.Data = data
+	secret.Data = files.files
+	delete(secret.Annotations, lastAppliedAnnotation)
 	if _, err := secrets.Update(ctx, secret, metav1.UpdateOptions{}); err != nil {
-		return fmt.Errorf("Secret %s: %w (the roots ConfigMap %s has the new roots already: run the step again)", secretName, err, rootsName)
+		// An update that was applied although its answer was lost is done.
+		if now, getErr := secrets.Get(ctx, name, metav1.GetOptions{}); getErr == nil && maps.EqualFunc(now.Data, files.files, bytes.Equal) {
+			return nil
+		}
+		return fmt.Errorf("Secret %s not updated: %w (the roots ConfigMap %s trusts its new roots already, which is harmless; run the step again)",
+			secretName, err, rootsName)
 	}
 	return nil
 }
 
 // writeRoots makes the ConfigMap (NAMESPACE/NAME) hold roots under
-// RootsKey, creating it if it does not exist.
-func writeRoots(ctx context.Context, kube kubernetes.Interface, name, roots string) error {
+// RootsKey, creating it if it does not exist, and returns the roots it
+// held before.
+func writeRoots(ctx context.Context, kube kubernetes.Interface, name string, roots []byte) ([]*x509.Certificate, error) {
 	ns, n, ok := strings.Cut(name, "/")
 	if !ok || ns == "" || n == "" {
-		return fmt.Errorf("roots ConfigMap %q: want NAMESPACE/NAME", name)
+		return nil, fmt.Errorf("roots ConfigMap %q: want NAMESPACE/NAME", name)
 	}
 	configMaps := kube.CoreV1().ConfigMaps(ns)
 	cm, err := configMaps.Get(ctx, n, metav1.GetOptions{})
+	var held []*x509.Certificate
 	switch {
 	case apierrors.IsNotFound(err):
 		_, err = configMaps.Create(ctx, &corev1.ConfigMap{
 			ObjectMeta: metav1.ObjectMeta{Name: n, Namespace: ns},
-			Data:       map[string]string{RootsKey: roots},
+			Data:       map[string]string{RootsKey: string(roots)},
 		}, metav1.CreateOptions{})
-	case err == nil && cm.Data[RootsKey] != roots:
-		if cm.Data == nil {
-			cm.Data = map[string]string{}
+	case err == nil:
+		held, _ = parseCertificates([]byte(cm.Data[RootsKey]))
+		if cm.Data[RootsKey] != string(roots) {
+			if cm.Data == nil {
+				cm.Data = map[string]string{}
+			}
+			cm.Data[RootsKey] = string(roots)
+			_, err = configMaps.Update(ctx, cm, metav1.UpdateOptions{})
 		}
-		cm.Data[RootsKey] = roots
-		_, err = configMaps.Update(ctx, cm, metav1.UpdateOptions{})
 	}
 	if err != nil {
-		return fmt.Errorf("roots ConfigMap %s: %w", name, err)
+		return nil, fmt.Errorf("roots ConfigMap %s: %w", name, err)
 	}
-	return nil
+	return held, nil
 }

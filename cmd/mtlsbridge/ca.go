@@ -33,22 +33,15 @@ func caCmd() *cobra.Command {
 		}
 		return dir()
 	}
-	// apply runs a step on the folder, or on the Secret's material.
-	apply := func(cmd *cobra.Command, step func(dir string) error) error {
-		if secret == "" {
-			return step(dir())
-		}
+	// kube is the admin's client, for --secret.
+	kube := func() (kubernetes.Interface, error) {
 		rules := clientcmd.NewDefaultClientConfigLoadingRules()
 		rules.ExplicitPath = kubeconfig
 		cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
 		if err != nil {
-			return fmt.Errorf("kubeconfig: %w", err)
+			return nil, fmt.Errorf("kubeconfig: %w", err)
 		}
-		kube, err := kubernetes.NewForConfig(cfg)
-		if err != nil {
-			return err
-		}
-		return identity.StepSecret(cmd.Context(), kube, secret, rootsConfigMap, step)
+		return kubernetes.NewForConfig(cfg)
 	}
 	cmd := &cobra.Command{
 		Use:   "ca",
@@ -65,14 +58,19 @@ func caCmd() *cobra.Command {
 		Short: "Advance a rotation: first a new root is trusted, run again it signs",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := spiffe.ValidateTrustDomain(trustDomain); err != nil {
+			err := spiffe.ValidateTrustDomain(trustDomain)
+			if err != nil {
 				return fmt.Errorf("--trust-domain: %w", err)
 			}
 			var step identity.RotationStep
-			if err := apply(cmd, func(dir string) (err error) {
-				step, err = identity.RotateDir(dir, trustDomain)
-				return err
-			}); err != nil {
+			if secret == "" {
+				step, err = identity.RotateDir(dir(), trustDomain)
+			} else if client, kerr := kube(); kerr != nil {
+				err = kerr
+			} else {
+				step, err = identity.RotateSecret(cmd.Context(), client, secret, rootsConfigMap, trustDomain)
+			}
+			if err != nil {
 				return err
 			}
 			switch step {
@@ -92,7 +90,15 @@ func caCmd() *cobra.Command {
 		Short: "End a rotation: only the signing root stays trusted",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := apply(cmd, identity.RetireDir); errors.Is(err, identity.ErrNothingToRetire) {
+			var err error
+			if secret == "" {
+				err = identity.RetireDir(dir())
+			} else if client, kerr := kube(); kerr != nil {
+				err = kerr
+			} else {
+				err = identity.RetireSecret(cmd.Context(), client, secret, rootsConfigMap)
+			}
+			if errors.Is(err, identity.ErrNothingToRetire) {
 				fmt.Fprintf(cmd.OutOrStdout(), "Nothing to retire: %s trusts only its signing root (no rotation in progress).\n", where())
 				return nil
 			} else if err != nil {

@@ -6,6 +6,8 @@ import (
 	"bytes"
 	"crypto/x509"
 	"encoding/pem"
+	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -23,8 +25,9 @@ import (
 // changes the Secret as it changes a folder, and the nodes' roots
 // ConfigMap follows (created if missing): it holds every root the Secret
 // trusts, so nodes verify the signer's answers before and after the new
-// root signs, and only the new root once the old one is retired. Keys of
-// the Secret that are not CA material stay.
+// root signs, and only the new root once the old one is retired; a root
+// never signs before the ConfigMap held it. Keys of the Secret that are not
+// CA material stay; kubectl's copy of the old key goes.
 func TestRotateTheSignersSecret(t *testing.T) {
 	cfg := kubetest.Start(t)
 	kube := kubernetes.NewForConfigOrDie(cfg)
@@ -34,23 +37,30 @@ func TestRotateTheSignersSecret(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = kube.CoreV1().Secrets("kube-system").Create(ctx, &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca"},
-		Data:       map[string][]byte{identity.CACertFile: certPEM, identity.CAKeyFile: keyPEM, "note": []byte("kept")},
+		// As `kubectl apply` leaves it: a copy of the key in an annotation.
+		ObjectMeta: metav1.ObjectMeta{Name: "mtlsbridge-ca", Annotations: map[string]string{
+			"kubectl.kubernetes.io/last-applied-configuration": string(keyPEM)}},
+		Data: map[string][]byte{identity.CACertFile: certPEM, identity.CAKeyFile: keyPEM, "note": []byte("kept")},
 	}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	first := certificates(t, certPEM)[0]
 	kubeconfig := kubetest.WriteKubeconfig(t, cfg)
-	run := func(step, want string) {
+	// run runs a step; want is in its output, or in its error when it
+	// fails.
+	run := func(step, want string) error {
 		t.Helper()
 		cmd := rootCmd()
 		var out bytes.Buffer
 		cmd.SetOut(&out)
+		cmd.SetErr(&out)
 		cmd.SetArgs([]string{"ca", step, "--secret=kube-system/mtlsbridge-ca", "--kubeconfig=" + kubeconfig})
-		if err := cmd.Execute(); err != nil || !strings.Contains(out.String(), want) {
+		err := cmd.Execute()
+		if !strings.Contains(out.String()+fmt.Sprint(err), want) {
 			t.Fatalf("ca %s: %v, %q (want %q)", step, err, out.String(), want)
 		}
+		return err
 	}
 	// state reads the Secret's signing root, its next root if any, and the
 	// ConfigMap's roots.
@@ -62,6 +72,10 @@ func TestRotateTheSignersSecret(t *testing.T) {
 		}
 		if string(s.Data["note"]) != "kept" {
 			t.Errorf("the Secret's other key: %q", s.Data["note"])
+		}
+		// Every call follows a step that changed the Secret.
+		if _, ok := s.Annotations["kubectl.kubernetes.io/last-applied-configuration"]; ok {
+			t.Error("the kubectl annotation, a copy of the first key, stayed")
 		}
 		if nextPEM, ok := s.Data[identity.NextCACertFile]; ok {
 			next = certificates(t, nextPEM)[0]
@@ -78,23 +92,32 @@ func TestRotateTheSignersSecret(t *testing.T) {
 
 	// 1. A new root is trusted; the first still signs. The ConfigMap did
 	// not exist: it is created.
-	run("rotate", "trusted")
+	must(t, run("rotate", "trusted"))
 	signing, next, roots := state()
 	if !signing.Equal(first) || next == nil || !same(roots, first, next) {
 		t.Fatalf("after the first step: signing %v, next %v, roots %v", signing.Subject, next, roots)
 	}
 	second := next
+	// The ConfigMap is lost (or edited): the new root does not sign until
+	// the ConfigMap has had it long enough to reach the nodes.
+	must(t, kube.CoreV1().ConfigMaps("kube-system").Delete(ctx, "mtlsbridge-ca-roots", metav1.DeleteOptions{}))
+	if err := run("rotate", "run the step again"); !errors.Is(err, identity.ErrRootsNotPublished) {
+		t.Fatalf("the second step without the roots published: %v, want ErrRootsNotPublished", err)
+	}
+	if signing, next, roots = state(); !signing.Equal(first) || !next.Equal(second) || !same(roots, second, first) {
+		t.Fatalf("after the refused second step: signing %v, next %v, %d roots", signing.Subject, next, len(roots))
+	}
 	// 2. The new root signs; both stay trusted.
-	run("rotate", "signs")
+	must(t, run("rotate", "signs"))
 	if signing, next, roots = state(); !signing.Equal(second) || next != nil || !same(roots, second, first) {
 		t.Fatalf("after the second step: signing %v, next %v, %d roots", signing.Subject, next, len(roots))
 	}
 	// 3. Retired: the new root alone.
-	run("retire", "retired")
+	must(t, run("retire", "retired"))
 	if signing, _, roots = state(); !signing.Equal(second) || !same(roots, second) {
 		t.Fatalf("after retire: signing %v, %d roots", signing.Subject, len(roots))
 	}
-	run("retire", "Nothing to retire")
+	must(t, run("retire", "Nothing to retire"))
 }
 
 func certificates(t *testing.T, pemData []byte) []*x509.Certificate {

@@ -62,16 +62,16 @@ func (e *Enrollment) TableHeader() []string {
 	return []string{"Pod", "Node", "Enrolled", "Reason", "SpiffeID", "IdentitySpiffeID", "MTLSAgent", "Note"}
 }
 
-// Note says which of the pod's labels the decision ignored, or that the
-// pod awaits its address.
+// Note says that the pod awaits its address, or else which of its labels
+// the decision ignored.
 func (e *Enrollment) Note() string {
 	switch {
+	case e.AwaitingIP:
+		return NoteAwaitingIP
 	case e.IgnoredOptOut:
 		return NoteIgnoredOptOut
 	case e.IgnoredAgentLabel:
 		return NoteIgnoredAgentLabel
-	case e.AwaitingIP:
-		return NoteAwaitingIP
 	}
 	return ""
 }
