@@ -17,7 +17,8 @@ type Hook string
 const (
 	// HookFromPod is TCX ingress of a local pod's host-side interface.
 	HookFromPod Hook = "from-pod"
-	// HookNodeIngress is TCX ingress of an uplink.
+	// HookNodeIngress is TCX ingress of an uplink or tunnel device (its
+	// program depends on whether the device has an Ethernet header).
 	HookNodeIngress Hook = "node-ingress"
 )
 
@@ -34,7 +35,7 @@ const (
 //     at the head before the old one is released, so for a moment both run
 //     (the second sees only what the first passed on) and never neither.
 func (o *Objects) Attach(h Hook, pin string, ifindex int) error {
-	prog, spare, err := o.programs(h)
+	prog, spare, err := o.programs(h, ifindex)
 	if err != nil {
 		return err
 	}

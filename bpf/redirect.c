@@ -13,7 +13,8 @@
 //   node_ingress  TCX ingress of the node's uplinks (packets from other
 //                 nodes). HBONE (port 15008) to a local enrolled pod, and
 //                 replies to connections the agent opened in that pod's name,
-//                 go to the agent.
+//                 go to the agent. node_ingress_l3 does the same on devices
+//                 without an Ethernet header (Cilium's WireGuard device).
 //
 // Steering = rewrite the destination MAC to the agent's and bpf_redirect to
 // the agent's host-side interface: the packet keeps its IP header, so the
@@ -174,19 +175,28 @@ static __always_inline int ipv6_ext(__u8 next)
 	return 0;
 }
 
-// parse fills f with the addresses and, for TCP, the ports.
-static __always_inline enum parsed parse(struct __sk_buff *skb, struct flow *f)
+// parse fills f with the addresses and, for TCP, the ports. A packet of an
+// L3 device (l3: WireGuard's, a tun) starts with its IP header, the
+// protocol in skb->protocol; others with an Ethernet header.
+static __always_inline enum parsed parse(struct __sk_buff *skb, struct flow *f, const int l3)
 {
 	void *data = (void *)(long)skb->data;
 	void *data_end = (void *)(long)skb->data_end;
-	struct ethhdr *eth = data;
+	void *network = data;
+	__be16 proto = skb->protocol;
 	void *l4;
 
-	if ((void *)(eth + 1) > data_end)
-		return PARSED_OTHER;
+	if (!l3) {
+		struct ethhdr *eth = data;
 
-	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
-		struct iphdr *ip = (void *)(eth + 1);
+		if ((void *)(eth + 1) > data_end)
+			return PARSED_OTHER;
+		proto = eth->h_proto;
+		network = eth + 1;
+	}
+
+	if (proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = network;
 
 		if ((void *)(ip + 1) > data_end || ip->ihl < 5)
 			return PARSED_OTHER;
@@ -214,8 +224,8 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct flow *f)
 				return PARSED_OTHER;
 			l4 += (ah->len + 2) * 4;
 		}
-	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr *ip6 = (void *)(eth + 1);
+	} else if (proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = network;
 		__u8 next;
 
 		if ((void *)(ip6 + 1) > data_end)
@@ -312,6 +322,28 @@ static __always_inline int steer(struct __sk_buff *skb, struct redirect_value *t
 	return bpf_redirect(to->ifindex, 0);
 }
 
+// steer_l3 hands a packet of an L3 device, which has no Ethernet header, to
+// the agent's interface, an Ethernet device: a header addressed to the
+// agent is pushed first (bpf_redirect drops a packet without one there).
+static __always_inline int steer_l3(struct __sk_buff *skb, struct redirect_value *to)
+{
+	__be16 proto = skb->protocol;
+	void *data, *data_end;
+	struct ethhdr *eth;
+
+	if (bpf_skb_change_head(skb, ETH_HLEN, 0))
+		return TC_ACT_SHOT;
+	data = (void *)(long)skb->data;
+	data_end = (void *)(long)skb->data_end;
+	eth = data;
+	if ((void *)(eth + 1) > data_end)
+		return TC_ACT_SHOT;
+	__builtin_memcpy(eth->h_dest, to->mac, ETH_ALEN);
+	__builtin_memset(eth->h_source, 0, ETH_ALEN);
+	eth->h_proto = proto;
+	return bpf_redirect(to->ifindex, 0);
+}
+
 // agent_owns reports whether the agent's network namespace has a connection
 // for this packet: one it accepted transparently (it holds the original
 // destination as its own address), or one it opened with the pod's address
@@ -366,7 +398,7 @@ int from_pod(struct __sk_buff *skb)
 	enum parsed parsed;
 
 	pull_headers(skb);
-	parsed = parse(skb, &f);
+	parsed = parse(skb, &f, 0);
 	if (parsed == PARSED_OTHER)
 		return TC_ACT_UNSPEC;
 	src = lookup(&f.src);
@@ -436,14 +468,14 @@ int from_pod(struct __sk_buff *skb)
 	return TC_ACT_SHOT;
 }
 
-SEC("tcx/ingress")
-int node_ingress(struct __sk_buff *skb)
+// node_ingress_on steers what node_ingress and node_ingress_l3 steer.
+static __always_inline int node_ingress_on(struct __sk_buff *skb, const int l3)
 {
 	struct flow f = {};
 	struct redirect_value *dst, *to;
 
 	pull_headers(skb);
-	if (parse(skb, &f) != PARSED_TCP || !f.has_ports)
+	if (parse(skb, &f, l3) != PARSED_TCP || !f.has_ports)
 		return TC_ACT_UNSPEC;
 	dst = lookup(&f.dst);
 	if (!dst || dst->kind != REDIRECT_KIND_ENROLLED)
@@ -452,8 +484,23 @@ int node_ingress(struct __sk_buff *skb)
 	if (!to)
 		return TC_ACT_UNSPEC;
 	if (f.dport == bpf_htons(HBONE_PORT) || agent_owns(skb, &f, to))
-		return steer(skb, to);
+		return l3 ? steer_l3(skb, to) : steer(skb, to);
 	return TC_ACT_UNSPEC;
+}
+
+SEC("tcx/ingress")
+int node_ingress(struct __sk_buff *skb)
+{
+	return node_ingress_on(skb, 0);
+}
+
+// node_ingress_l3 is node_ingress for devices without an Ethernet header,
+// as Cilium's WireGuard device, where packets from other nodes arrive
+// decrypted in native routing.
+SEC("tcx/ingress")
+int node_ingress_l3(struct __sk_buff *skb)
+{
+	return node_ingress_on(skb, 1);
 }
 
 char __license[] SEC("license") = "Apache-2.0";

@@ -9,6 +9,7 @@ package bpf
 import (
 	"errors"
 	"fmt"
+	"net"
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
@@ -30,8 +31,9 @@ func MapPins(root string) []string {
 type Objects struct {
 	// FromPod runs at TCX ingress of local pods' host-side interfaces.
 	FromPod *ebpf.Program
-	// NodeIngress runs at TCX ingress of the node's uplinks.
-	NodeIngress *ebpf.Program
+	// NodeIngress runs at TCX ingress of the node's uplinks, and
+	// NodeIngressL3 there on devices without an Ethernet header.
+	NodeIngress, NodeIngressL3 *ebpf.Program
 	// Redirects is the map both programs read.
 	Redirects *RedirectMap
 
@@ -82,7 +84,7 @@ func Load(root string) (*Objects, error) {
 		return nil, fmt.Errorf("load redirect programs (spare): %w", err)
 	}
 	o.FromPod = o.objs.FromPod
-	o.NodeIngress = o.objs.NodeIngress
+	o.NodeIngress, o.NodeIngressL3 = o.objs.NodeIngress, o.objs.NodeIngressL3
 	o.Redirects = &RedirectMap{m: o.objs.RedirectMap}
 	return o, nil
 }
@@ -91,12 +93,22 @@ func Load(root string) (*Objects, error) {
 // the attached programs and the map entries.
 func (o *Objects) Close() error { return errors.Join(o.objs.Close(), o.spare.Close()) }
 
-// programs returns the program of a hook and its spare instance.
-func (o *Objects) programs(h Hook) (prog, spare *ebpf.Program, err error) {
+// programs returns the program of a hook for interface ifindex (resolved
+// in the calling thread's network namespace) and its spare instance.
+func (o *Objects) programs(h Hook, ifindex int) (prog, spare *ebpf.Program, err error) {
 	switch h {
 	case HookFromPod:
 		return o.objs.FromPod, o.spare.FromPod, nil
 	case HookNodeIngress:
+		iface, err := net.InterfaceByIndex(ifindex)
+		if err != nil {
+			return nil, nil, fmt.Errorf("interface %d: %w", ifindex, err)
+		}
+		// An Ethernet device (loopback's address is zeros) has a 6-byte
+		// address; WireGuard and tun devices have none, IP tunnels an IP.
+		if len(iface.HardwareAddr) != 6 {
+			return o.objs.NodeIngressL3, o.spare.NodeIngressL3, nil
+		}
 		return o.objs.NodeIngress, o.spare.NodeIngress, nil
 	}
 	return nil, nil, fmt.Errorf("hook %q: %w", h, ErrUnknownHook)

@@ -47,10 +47,11 @@ type redirectRedirectValue struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	redirectMapProxiedMap   = "proxied_map"
-	redirectMapRedirectMap  = "redirect_map"
-	redirectProgFromPod     = "from_pod"
-	redirectProgNodeIngress = "node_ingress"
+	redirectMapProxiedMap     = "proxied_map"
+	redirectMapRedirectMap    = "redirect_map"
+	redirectProgFromPod       = "from_pod"
+	redirectProgNodeIngress   = "node_ingress"
+	redirectProgNodeIngressL3 = "node_ingress_l3"
 )
 
 // loadRedirect returns the embedded CollectionSpec for redirect.
@@ -95,8 +96,9 @@ type redirectSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectProgramSpecs struct {
-	FromPod     *ebpf.ProgramSpec `ebpf:"from_pod"`
-	NodeIngress *ebpf.ProgramSpec `ebpf:"node_ingress"`
+	FromPod       *ebpf.ProgramSpec `ebpf:"from_pod"`
+	NodeIngress   *ebpf.ProgramSpec `ebpf:"node_ingress"`
+	NodeIngressL3 *ebpf.ProgramSpec `ebpf:"node_ingress_l3"`
 }
 
 // redirectMapSpecs contains maps before they are loaded into the kernel.
@@ -154,14 +156,16 @@ type redirectVariables struct {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectPrograms struct {
-	FromPod     *ebpf.Program `ebpf:"from_pod"`
-	NodeIngress *ebpf.Program `ebpf:"node_ingress"`
+	FromPod       *ebpf.Program `ebpf:"from_pod"`
+	NodeIngress   *ebpf.Program `ebpf:"node_ingress"`
+	NodeIngressL3 *ebpf.Program `ebpf:"node_ingress_l3"`
 }
 
 func (p *redirectPrograms) Close() error {
 	return _RedirectClose(
 		p.FromPod,
 		p.NodeIngress,
+		p.NodeIngressL3,
 	)
 }
 

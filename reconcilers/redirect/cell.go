@@ -79,9 +79,11 @@ type Config struct {
 	// in native routing (flag --devices; NAME+ stands for every device
 	// NAME prefixes). Empty: the devices that look like uplinks.
 	Devices []string
-	// TunnelDevices are Cilium's tunnel devices: in its tunnel routing
-	// mode, HBONE from other nodes arrives on them, decapsulated. Each
-	// that exists gets the node-ingress program (flag --tunnel-devices).
+	// TunnelDevices are Cilium's tunnel devices, where HBONE from other
+	// nodes arrives decapsulated in its tunnel routing mode, and its
+	// WireGuard device, where it arrives decrypted in native routing.
+	// Each that exists gets the node-ingress program (flag
+	// --tunnel-devices).
 	TunnelDevices []string
 	// NodeNetns is the path of the network namespace holding the node's
 	// devices; empty means the agent's own (flag --node-netns).
@@ -91,7 +93,7 @@ type Config struct {
 var defaultConfig = Config{
 	EnableRedirect: true,
 	BPFRoot:        "/sys/fs/bpf/mtlsbridge",
-	TunnelDevices:  []string{"cilium_vxlan", "cilium_geneve"},
+	TunnelDevices:  []string{"cilium_vxlan", "cilium_geneve", "cilium_wg0"},
 }
 
 // Flags implements cell.Flagger.
@@ -99,7 +101,7 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Bool("enable-redirect", def.EnableRedirect, "Steer enrolled pods' TCP to the node's mTLS agent with BPF")
 	flags.String("bpf-root", def.BPFRoot, "Folder on bpffs for the agent's pinned map and links (created writable by root only)")
 	flags.StringSlice("devices", def.Devices, "Uplink devices of the node, where HBONE (port 15008) from other nodes arrives in native routing (NAME+: every device NAME prefixes); empty: found as Cilium finds its devices")
-	flags.StringSlice("tunnel-devices", def.TunnelDevices, "Cilium's tunnel devices, where HBONE from other nodes arrives decapsulated in its tunnel routing mode; each that exists gets the node-ingress program")
+	flags.StringSlice("tunnel-devices", def.TunnelDevices, "Cilium's tunnel devices and WireGuard device, where HBONE from other nodes arrives decapsulated (tunnel routing) or decrypted (native routing with WireGuard); each that exists gets the node-ingress program")
 	flags.String("node-netns", def.NodeNetns, "Network namespace (path) of the node's devices; empty: the agent's own")
 }
 
