@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/google/gopacket"
 	"github.com/google/gopacket/layers"
@@ -32,7 +31,7 @@ func TestNodeIngressL3(t *testing.T) {
 	h := ns.Netlink(t)
 	must(t, h.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "agent"}, PeerName: "agent-peer"}))
 	var tun *os.File
-	must(t, ns.Do(func() (err error) { tun, err = openTun("wg0"); return err }))
+	must(t, ns.Do(func() (err error) { tun, err = netnstest.OpenTun("wg0"); return err }))
 	t.Cleanup(func() { tun.Close() })
 	links := map[string]netlink.Link{}
 	for _, name := range []string{"agent", "agent-peer", "wg0"} {
@@ -94,28 +93,6 @@ func TestNodeIngressL3(t *testing.T) {
 			t.Errorf("the IP packet changed on its way:\n%x\nwant\n%x", eth.Payload, hbone.frame()[14:])
 		}
 	}
-}
-
-// openTun creates a tun device (L3, no packet information) in the calling
-// thread's namespace; writing an IP packet to it makes the device receive
-// that packet.
-func openTun(name string) (*os.File, error) {
-	fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, err
-	}
-	var req struct {
-		name  [unix.IFNAMSIZ]byte
-		flags uint16
-		_     [22]byte
-	}
-	copy(req.name[:], name)
-	req.flags = unix.IFF_TUN | unix.IFF_NO_PI
-	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.TUNSETIFF, uintptr(unsafe.Pointer(&req))); errno != 0 {
-		unix.Close(fd)
-		return nil, errno
-	}
-	return os.NewFile(uintptr(fd), "tun:"+name), nil
 }
 
 // readFrames delivers the frames an interface of ns receives, until the

@@ -74,7 +74,8 @@ func (s Segment) String() string {
 }
 
 // Capture records the TCP segments that cross one interface of a
-// namespace, over IPv4 and IPv6, in both directions.
+// namespace (an Ethernet or an L3 device), over IPv4 and IPv6, in both
+// directions.
 type Capture struct {
 	f      *os.File
 	done   chan struct{}
@@ -150,15 +151,21 @@ func (c *Capture) read() {
 		return
 	}
 	var (
-		eth    layers.Ethernet
-		ip4    layers.IPv4
-		ip6    layers.IPv6
-		tcp    layers.TCP
-		parser = gopacket.NewDecodingLayerParser(layers.LayerTypeEthernet, &eth, &ip4, &ip6, &tcp)
-		found  []gopacket.LayerType
-		buf    = make([]byte, captureBuf)
+		eth   layers.Ethernet
+		ip4   layers.IPv4
+		ip6   layers.IPv6
+		tcp   layers.TCP
+		found []gopacket.LayerType
+		buf   = make([]byte, captureBuf)
+		// Frames of an Ethernet device, and packets of an L3 device
+		// (no link header: a tun, WireGuard's), by their IP version.
+		ethernet = gopacket.NewDecodingLayerParser(layers.LayerTypeEthernet, &eth, &ip4, &ip6, &tcp)
+		fromIPv4 = gopacket.NewDecodingLayerParser(layers.LayerTypeIPv4, &ip4, &tcp)
+		fromIPv6 = gopacket.NewDecodingLayerParser(layers.LayerTypeIPv6, &ip6, &tcp)
 	)
-	parser.IgnoreUnsupported = true // ARP, ICMP, UDP, payload: not ours
+	for _, p := range []*gopacket.DecodingLayerParser{ethernet, fromIPv4, fromIPv6} {
+		p.IgnoreUnsupported = true // ARP, ICMP, UDP, payload: not ours
+	}
 	for {
 		var (
 			n    int
@@ -186,7 +193,14 @@ func (c *Capture) read() {
 			return
 		}
 		at := time.Now()
-		if err := parser.DecodeLayers(buf[:n], &found); err != nil || len(found) < 3 || found[2] != layers.LayerTypeTCP {
+		parser := ethernet
+		if ll, ok := from.(*unix.SockaddrLinklayer); ok && ll.Hatype == unix.ARPHRD_NONE && n > 0 {
+			parser = fromIPv4
+			if buf[0]>>4 == 6 {
+				parser = fromIPv6
+			}
+		}
+		if err := parser.DecodeLayers(buf[:n], &found); err != nil || len(found) < 2 || found[len(found)-1] != layers.LayerTypeTCP {
 			continue
 		}
 		s := Segment{
@@ -202,7 +216,7 @@ func (c *Capture) read() {
 			s.Outgoing = ll.Pkttype == unix.PACKET_OUTGOING
 		}
 		src, dst := ip6.SrcIP, ip6.DstIP
-		if found[1] == layers.LayerTypeIPv4 {
+		if found[len(found)-2] == layers.LayerTypeIPv4 {
 			src, dst = ip4.SrcIP, ip4.DstIP
 		}
 		srcAddr, _ := netip.AddrFromSlice(src)

@@ -64,6 +64,13 @@ type Tunnel string
 const (
 	TunnelVXLAN  Tunnel = "vxlan"
 	TunnelGeneve Tunnel = "geneve"
+	// TunnelWireGuard stands for Cilium's WireGuard in native routing:
+	// each node routes the other's pod ranges through an L3 device
+	// (cilium_wg0, a tun here), whose packets a relay carries between the
+	// uplinks as UDP on WireGuard's port, and writes into the other node's
+	// device, where they arrive as WireGuard decrypts them. Unencrypted:
+	// the kernel may lack WireGuard, and the device is what is tested.
+	TunnelWireGuard Tunnel = "wg0"
 )
 
 // Device is the name Cilium gives the tunnel's device.
@@ -149,14 +156,18 @@ func addTunnel(t testing.TB, n, peer *Node, protocol Tunnel) {
 			Port: 8472, VtepDevIndex: n.Uplink.Attrs().Index}
 	case TunnelGeneve:
 		l = &netlink.Geneve{LinkAttrs: attrs, ID: 2, Remote: peer.Addr4.AsSlice(), Dport: 6081}
+	case TunnelWireGuard:
+		relayL3(t, n, peer, attrs.Name)
 	default:
-		t.Fatalf("tunnel protocol %q: want %q or %q", protocol, TunnelVXLAN, TunnelGeneve)
+		t.Fatalf("tunnel protocol %q: want %q, %q or %q", protocol, TunnelVXLAN, TunnelGeneve, TunnelWireGuard)
 	}
 	h := n.Netlink(t)
-	if err := h.LinkAdd(l); errors.Is(err, unix.EOPNOTSUPP) {
-		t.Skipf("add %s: %v: this kernel has no %s devices", attrs.Name, err, protocol)
-	} else {
-		must(t, wrap(err, "add %s", attrs.Name))
+	if l != nil { // the relay's tun device exists already
+		if err := h.LinkAdd(l); errors.Is(err, unix.EOPNOTSUPP) {
+			t.Skipf("add %s: %v: this kernel has no %s devices", attrs.Name, err, protocol)
+		} else {
+			must(t, wrap(err, "add %s", attrs.Name))
+		}
 	}
 	l, err := h.LinkByName(attrs.Name)
 	must(t, err)
@@ -165,6 +176,73 @@ func addTunnel(t testing.TB, n, peer *Node, protocol Tunnel) {
 	addr4, addr6 := tunnelAddrs(n.Index)
 	addAddr(t, n.NS, h, l, addr4, 24)
 	addAddr(t, n.NS, h, l, addr6, 64)
+}
+
+// wireGuardPort is the UDP port of Cilium's WireGuard device.
+const wireGuardPort = 51871
+
+// relayL3 gives n a tun device named name, and relays: what n routes into
+// the device goes to peer's uplink address as UDP, and what comes from
+// there is written into the device, which receives it.
+func relayL3(t testing.TB, n, peer *Node, name string) {
+	t.Helper()
+	var (
+		tun  *os.File
+		conn *net.UDPConn
+	)
+	must(t, n.Do(func() (err error) {
+		if tun, err = OpenTun(name); err != nil {
+			return err
+		}
+		conn, err = net.ListenUDP("udp4", &net.UDPAddr{IP: n.Addr4.AsSlice(), Port: wireGuardPort})
+		return err
+	}))
+	t.Cleanup(func() { tun.Close(); conn.Close() })
+	to := &net.UDPAddr{IP: peer.Addr4.AsSlice(), Port: wireGuardPort}
+	// Both end when the test closes the device and the socket.
+	go func() {
+		buf := make([]byte, 1<<16)
+		for {
+			k, err := tun.Read(buf)
+			if err != nil {
+				return
+			}
+			conn.WriteToUDP(buf[:k], to)
+		}
+	}()
+	go func() {
+		buf := make([]byte, 1<<16)
+		for {
+			k, _, err := conn.ReadFromUDP(buf)
+			if err != nil {
+				return
+			}
+			tun.Write(buf[:k])
+		}
+	}()
+}
+
+// OpenTun creates a tun device (L3: no Ethernet header, no packet
+// information) in the calling thread's network namespace. Writing an IP
+// packet to the file makes the device receive it; reading gets what is
+// routed into the device.
+func OpenTun(name string) (*os.File, error) {
+	fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, wrap(err, "open /dev/net/tun")
+	}
+	ifr, err := unix.NewIfreq(name)
+	if err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	ifr.SetUint16(unix.IFF_TUN | unix.IFF_NO_PI)
+	if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
+		unix.Close(fd)
+		return nil, wrap(err, "create tun device %s", name)
+	}
+	// Non-blocking: the runtime's poller reads it, and Close wakes it.
+	return os.NewFile(uintptr(fd), "tun:"+name), nil
 }
 
 func newNode(t testing.TB, index int) *Node {
@@ -311,7 +389,8 @@ func addAddr(t testing.TB, ns *NS, h *netlink.Handle, l netlink.Link, ip netip.A
 		addr.Flags = unix.IFA_F_NODAD
 	}
 	must(t, wrap(h.AddrAdd(l, addr), "add %s/%d to %s", ip, bits, l.Attrs().Name))
-	if ip.Is6() {
+	// A device without neighbour discovery (NOARP: a tun) joins no group.
+	if ip.Is6() && l.Attrs().RawFlags&unix.IFF_NOARP == 0 {
 		waitSolicitedNodeGroup(t, ns, l, ip)
 	}
 }
