@@ -181,7 +181,10 @@ func (d *derivation) update(dirty map[string]struct{}) {
 		case keep && (!hadOld || *e != *old):
 			d.Enrollments.Insert(wtxn, e)
 			changed++
-			if !hadOld || e.Enrolled != old.Enrolled || e.Reason != old.Reason || e.Note() != old.Note() {
+			// Another node's pod awaiting its address is not news: its
+			// enrollment, moments later, is.
+			awaitingElsewhere := e.AwaitingIP && e.Node != d.Node.NodeName
+			if !awaitingElsewhere && (!hadOld || e.Enrolled != old.Enrolled || e.Reason != old.Reason || e.Note() != old.Note()) {
 				logged = append(logged, e)
 			}
 		case !keep && hadOld:
