@@ -13,7 +13,6 @@ import (
 	"github.com/google/gopacket"
 	"github.com/google/gopacket/layers"
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
@@ -62,7 +61,7 @@ func TestNodeIngressL3(t *testing.T) {
 		t.Fatalf("wg0 runs program %d, not node_ingress_l3 (%d)", li.Program, id)
 	}
 
-	frames := readFrames(t, ns, links["agent-peer"].Attrs().Index)
+	frames := readFrames(t, ns, "agent-peer")
 	for _, hbone := range []packet{
 		{src: remote, dst: podA, sport: 41000, dport: 15008},
 		{src: remote6, dst: podA6, sport: 41000, dport: 15008},
@@ -97,17 +96,9 @@ func TestNodeIngressL3(t *testing.T) {
 
 // readFrames delivers the frames an interface of ns receives, until the
 // test ends.
-func readFrames(t *testing.T, ns *netnstest.NS, ifindex int) <-chan gopacket.Packet {
-	var fd int
-	must(t, ns.Do(func() (err error) {
-		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
-		if err != nil {
-			return err
-		}
-		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifindex})
-	}))
-	// Non-blocking: the runtime's poller reads it, and Close wakes it.
-	f := os.NewFile(uintptr(fd), "frames")
+func readFrames(t *testing.T, ns *netnstest.NS, ifname string) <-chan gopacket.Packet {
+	f, err := ns.PacketSocket(ifname)
+	must(t, err)
 	t.Cleanup(func() { f.Close() })
 	out := make(chan gopacket.Packet, 64)
 	go func() {
@@ -143,5 +134,3 @@ func nextTCP(t *testing.T, frames <-chan gopacket.Packet) gopacket.Packet {
 		}
 	}
 }
-
-func htons(v uint16) uint16 { return v<<8 | v>>8 }

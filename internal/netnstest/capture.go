@@ -116,8 +116,21 @@ func (c *Capture) Seen(marker []byte) []Segment {
 // test ends.
 func (ns *NS) Capture(t testing.TB, ifname string) *Capture {
 	t.Helper()
+	f, err := ns.PacketSocket(ifname)
+	must(t, err)
+	c := &Capture{f: f, done: make(chan struct{})}
+	go c.read()
+	t.Cleanup(c.Close)
+	return c
+}
+
+// PacketSocket opens an AF_PACKET socket inside the namespace that receives
+// every frame of the interface ifname, both directions, from its link
+// header on (none on an L3 device). It is non-blocking: in an os.File it
+// goes through the runtime's poller, so that Close wakes a reader at once.
+func (ns *NS) PacketSocket(ifname string) (*os.File, error) {
 	var fd int
-	must(t, ns.Do(func() error {
+	err := ns.Do(func() error {
 		l, err := netlink.LinkByName(ifname)
 		if err != nil {
 			return err
@@ -134,13 +147,11 @@ func (ns *NS) Capture(t testing.TB, ifname string) *Capture {
 			return wrap(err, "bind packet socket to %s", ifname)
 		}
 		return nil
-	}))
-	// A non-blocking descriptor in an os.File goes through the runtime's
-	// poller, so that Close wakes the reader at once.
-	c := &Capture{f: os.NewFile(uintptr(fd), "capture:"+ifname), done: make(chan struct{})}
-	go c.read()
-	t.Cleanup(c.Close)
-	return c
+	})
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), "packets:"+ifname), nil
 }
 
 func (c *Capture) read() {
