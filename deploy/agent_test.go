@@ -953,7 +953,7 @@ func TestAgentNeedsEachGrant(t *testing.T) {
 			}
 			logSays(t, r, "forbidden", "tokenreviews")
 		}},
-		{name: "list endpointslices", without: []permission{{"discovery.k8s.io", "endpointslices", "list"}}, check: func(t *testing.T, r *agentRun) {
+		{name: "list and watch endpointslices", without: []permission{{"discovery.k8s.io", "endpointslices", "list"}, {"discovery.k8s.io", "endpointslices", "watch"}}, check: func(t *testing.T, r *agentRun) {
 			// The signer cannot be found: the mTLS agent is told so, and
 			// readiness warns.
 			waitFor(t, r, "the trust bundle", func() error {

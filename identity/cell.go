@@ -174,7 +174,11 @@ func newCAService(p caParams) (caServiceOut, error) {
 			return caServiceOut{}, err
 		}
 		s.upstream = up
-		p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { return up.conn.Close() }})
+		stop := make(chan struct{})
+		p.Lifecycle.Append(cell.Hook{
+			OnStart: func(cell.HookContext) error { up.start(stop); return nil },
+			OnStop:  func(cell.HookContext) error { close(stop); return up.conn.Close() },
+		})
 	}
 	return caServiceOut{
 		Check: api.Check{Name: "ca-upstream", Warning: true, Err: func() error {

@@ -26,7 +26,11 @@ import (
 	pb "istio.io/api/security/v1alpha1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 )
 
 // upstream is the signer a node agent forwards certificate requests to
@@ -35,6 +39,8 @@ import (
 type upstream struct {
 	client pb.IstioCertificateServiceClient
 	conn   *grpc.ClientConn
+	// endpoints follows the signer's Service, when it is named as one.
+	endpoints *signerEndpoints
 	// tokenFile is re-read for every request: the kubelet renews it;
 	// rootsFile too (a root rotation).
 	tokenFile, rootsFile string
@@ -82,13 +88,25 @@ func newUpstream(cfg Config, kube kubernetes.Interface) (*upstream, error) {
 			return err
 		},
 	}
+	endpoints, err := newSignerEndpoints(kube, host)
+	if err != nil {
+		return nil, err
+	}
 	// passthrough: the dialer, not gRPC's DNS resolver, finds the signer.
 	conn, err := grpc.NewClient("passthrough:///"+cfg.CAUpstream, grpc.WithTransportCredentials(credentials.NewTLS(tlsConfig)),
-		grpc.WithContextDialer(serviceDialer(kube)))
+		grpc.WithContextDialer(endpoints.dialer()))
 	if err != nil {
 		return nil, fmt.Errorf("--ca-upstream=%q: %w", cfg.CAUpstream, err)
 	}
-	return &upstream{client: pb.NewIstioCertificateServiceClient(conn), conn: conn, tokenFile: cfg.CAUpstreamTokenFile, rootsFile: cfg.CAUpstreamRoots}, nil
+	return &upstream{client: pb.NewIstioCertificateServiceClient(conn), conn: conn, endpoints: endpoints,
+		tokenFile: cfg.CAUpstreamTokenFile, rootsFile: cfg.CAUpstreamRoots}, nil
+}
+
+// start follows the signer's endpoints until stop.
+func (u *upstream) start(stop <-chan struct{}) {
+	if u.endpoints != nil {
+		go u.endpoints.informer.RunWithContext(wait.ContextForChannel(stop))
+	}
 }
 
 // upstreamError is a forwarded request that failed, with the reason it is
@@ -144,6 +162,10 @@ func (u *upstream) ask(ctx context.Context, csrPEM string, csr *x509.Certificate
 	case codes.PermissionDenied, codes.Unauthenticated, codes.InvalidArgument:
 		return nil, &upstreamError{ReasonUpstreamRefused, err}
 	default:
+		// The next request reconnects at once, rather than when gRPC's
+		// backoff (up to 2 minutes after a long outage) says: requests
+		// pace the attempts, and a signer back is used at once.
+		u.conn.ResetConnectBackoff()
 		return nil, &upstreamError{ReasonUpstreamUnreachable, err}
 	}
 	chain := resp.GetCertChain()
@@ -187,29 +209,90 @@ func readRoots(path string) (*x509.CertPool, error) {
 	return pool, nil
 }
 
-// serviceDialer dials a signer named as a Service, NAME.NAMESPACE.svc, at
-// the ready addresses of its EndpointSlices, read from the API server:
-// the node agent shares the host's network namespace and resolver
-// (Cilium's pod), which knows no cluster names, and pod addresses reach
-// the signer without a Service translation in the host namespace. Other
-// names and addresses are dialed as they are.
-func serviceDialer(kube kubernetes.Interface) func(ctx context.Context, addr string) (net.Conn, error) {
-	return func(ctx context.Context, addr string) (net.Conn, error) {
-		host, port, err := net.SplitHostPort(addr)
-		if err != nil {
-			return nil, err
+// signerEndpoints follows the ready endpoints of a signer named as a
+// Service, NAME.NAMESPACE.svc: its EndpointSlices, watched (as kube-proxy
+// and Cilium watch them), so that a dial reads them from memory. The node
+// agent shares the host's network namespace and resolver (Cilium's pod),
+// which knows no cluster names, and pod addresses reach the signer without
+// a Service translation in the host namespace.
+type signerEndpoints struct {
+	namespace, name string
+	informer        cache.SharedIndexInformer
+	// listErr is the last error listing or watching the slices.
+	listErr atomic.Pointer[error]
+}
+
+// newSignerEndpoints follows the Service named by host, or returns nil for
+// another name or an address, which is dialed as it is.
+func newSignerEndpoints(kube kubernetes.Interface, host string) (*signerEndpoints, error) {
+	name, isService := strings.CutSuffix(host, ".svc")
+	name, namespace, qualified := strings.Cut(name, ".")
+	if !isService || !qualified || kube == nil {
+		return nil, nil
+	}
+	slices := kube.DiscoveryV1().EndpointSlices(namespace)
+	selector := discoveryv1.LabelServiceName + "=" + name
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+			opts.LabelSelector = selector
+			return slices.List(ctx, opts)
+		},
+		WatchFuncWithContext: func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			opts.LabelSelector = selector
+			return slices.Watch(ctx, opts)
+		},
+	}
+	e := &signerEndpoints{namespace: namespace, name: name,
+		informer: cache.NewSharedIndexInformer(lw, &discoveryv1.EndpointSlice{}, 0, cache.Indexers{})}
+	if err := e.informer.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		e.listErr.Store(&err)
+	}); err != nil {
+		return nil, err
+	}
+	return e, nil
+}
+
+// ready lists the host:port of the Service's ready endpoints, waiting
+// (within ctx) for the first listing unless it failed.
+func (e *signerEndpoints) ready(ctx context.Context, servicePort string) ([]string, error) {
+	for !e.informer.HasSynced() {
+		if err := e.listErr.Load(); err != nil {
+			return nil, fmt.Errorf("endpoints of Service %s/%s: %w", e.namespace, e.name, *err)
 		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("endpoints of Service %s/%s: not listed yet: %w", e.namespace, e.name, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	var slices []*discoveryv1.EndpointSlice
+	for _, o := range e.informer.GetStore().List() {
+		slices = append(slices, o.(*discoveryv1.EndpointSlice))
+	}
+	addrs := readyAddrs(slices, servicePort)
+	if len(addrs) == 0 {
+		return nil, fmt.Errorf("Service %s/%s has no ready endpoint", e.namespace, e.name)
+	}
+	return addrs, nil
+}
+
+// dialer dials the signer: at one of the ready endpoints of its Service,
+// when it is named as one (spreading nodes over the replicas), else at the
+// address as it is.
+func (e *signerEndpoints) dialer() func(ctx context.Context, addr string) (net.Conn, error) {
+	return func(ctx context.Context, addr string) (net.Conn, error) {
 		var dialer net.Dialer
-		name, isService := strings.CutSuffix(host, ".svc")
-		name, namespace, qualified := strings.Cut(name, ".")
-		if !isService || !qualified || kube == nil {
+		if e == nil {
 			return dialer.DialContext(ctx, "tcp", addr)
 		}
-		addrs, err := readyEndpoints(ctx, kube, namespace, name, port)
+		_, port, err := net.SplitHostPort(addr)
 		if err != nil {
 			return nil, err
 		}
-		// Nodes spread over the replicas.
+		addrs, err := e.ready(ctx, port)
+		if err != nil {
+			return nil, err
+		}
 		rand.Shuffle(len(addrs), func(i, j int) { addrs[i], addrs[j] = addrs[j], addrs[i] })
 		var errs []error
 		for _, addr := range addrs {
@@ -223,15 +306,11 @@ func serviceDialer(kube kubernetes.Interface) func(ctx context.Context, addr str
 	}
 }
 
-// readyEndpoints lists the host:port of the Service's ready endpoints: the
+// readyAddrs lists the host:port of the slices' ready endpoints: the
 // slice's port when it has one (the Service's target), else servicePort.
-func readyEndpoints(ctx context.Context, kube kubernetes.Interface, namespace, name, servicePort string) ([]string, error) {
-	list, err := kube.DiscoveryV1().EndpointSlices(namespace).List(ctx, metav1.ListOptions{LabelSelector: discoveryv1.LabelServiceName + "=" + name})
-	if err != nil {
-		return nil, fmt.Errorf("endpoints of Service %s/%s: %w", namespace, name, err)
-	}
+func readyAddrs(slices []*discoveryv1.EndpointSlice, servicePort string) []string {
 	var addrs []string
-	for _, slice := range list.Items {
+	for _, slice := range slices {
 		port := servicePort
 		if len(slice.Ports) == 1 && slice.Ports[0].Port != nil {
 			port = strconv.Itoa(int(*slice.Ports[0].Port))
@@ -245,8 +324,5 @@ func readyEndpoints(ctx context.Context, kube kubernetes.Interface, namespace, n
 			}
 		}
 	}
-	if len(addrs) == 0 {
-		return nil, fmt.Errorf("Service %s/%s has no ready endpoint", namespace, name)
-	}
-	return addrs, nil
+	return addrs
 }

@@ -35,8 +35,8 @@ import (
 )
 
 // A signer named as a Service is found at its ready endpoints, as the API
-// server lists them: those of every slice of the Service, none of another
-// Service's, none not ready. (The API server refuses loopback addresses in
+// server shows them to a watch: those of every slice of the Service, none
+// of another Service's, none not ready, and changes as they come. (The API server refuses loopback addresses in
 // a slice, so these are names, which are never dialed here.)
 func TestReadyEndpoints(t *testing.T) {
 	kube := kubernetes.NewForConfigOrDie(kubetest.Start(t))
@@ -60,14 +60,44 @@ func TestReadyEndpoints(t *testing.T) {
 	slice("other-1", "mtlsbridge-signer-old", nil,
 		discoveryv1.Endpoint{Addresses: []string{"other.example"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}})
 
-	got, err := readyEndpoints(t.Context(), kube, "kube-system", "mtlsbridge-signer", "15012")
-	slices.Sort(got)
-	// A slice's own port is the Service's target port.
-	if want := []string{"signer-0.example:16012", "signer-1.example:15012"}; err != nil || !slices.Equal(got, want) {
-		t.Errorf("ready endpoints %v (%v), want %v", got, err, want)
+	follow := func(host string) *signerEndpoints {
+		e, err := newSignerEndpoints(kube, host)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go e.informer.RunWithContext(t.Context())
+		return e
 	}
-	if _, err := readyEndpoints(t.Context(), kube, "kube-system", "none", "15012"); err == nil || !strings.Contains(err.Error(), "no ready endpoint") {
+	signer := follow("mtlsbridge-signer.kube-system.svc")
+	endpoints := func(e *signerEndpoints) ([]string, error) {
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		defer cancel()
+		got, err := e.ready(ctx, "15012")
+		slices.Sort(got)
+		return got, err
+	}
+	// A slice's own port is the Service's target port.
+	if got, err := endpoints(signer); err != nil || !slices.Equal(got, []string{"signer-0.example:16012", "signer-1.example:15012"}) {
+		t.Errorf("ready endpoints %v (%v)", got, err)
+	}
+	if _, err := endpoints(follow("none.kube-system.svc")); err == nil || !strings.Contains(err.Error(), "no ready endpoint") {
 		t.Errorf("a Service without endpoints: %v", err)
+	}
+	// Followed, not listed at each dial: a replica that goes and one that
+	// comes are seen.
+	if err := kube.DiscoveryV1().EndpointSlices("kube-system").Delete(t.Context(), "signer-2", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	slice("signer-3", "mtlsbridge-signer", nil, discoveryv1.Endpoint{Addresses: []string{"signer-2.example"}})
+	deadline := time.Now().Add(10 * time.Second)
+	for got, _ := endpoints(signer); !slices.Equal(got, []string{"signer-0.example:16012", "signer-2.example:15012"}); got, _ = endpoints(signer) {
+		if time.Now().After(deadline) {
+			t.Fatalf("ready endpoints %v after the changes", got)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if e, err := newSignerEndpoints(kube, "signer.example:15012"); e != nil || err != nil {
+		t.Errorf("a name that is no Service's is followed: %v, %v", e, err)
 	}
 }
 
@@ -116,13 +146,18 @@ func newCSR(tb testing.TB, san string) (string, *x509.CertificateRequest) {
 }
 
 func serveTestSigner(t *testing.T, serving *Authority, s *testSigner) string {
+	return serveTestSignerOn(t, serving, s, "127.0.0.1:0")
+}
+
+// serveTestSignerOn is serveTestSigner on a loopback address chosen.
+func serveTestSignerOn(t *testing.T, serving *Authority, s *testSigner, addr string) string {
 	cert, err := serving.ServingCertificate([]string{"127.0.0.1"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	srv := grpc.NewServer(grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{*cert}})))
 	pb.RegisterIstioCertificateServiceServer(srv, s)
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	l, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,5 +242,57 @@ func TestUpstreamChecksTheAnswer(t *testing.T) {
 				t.Errorf("the signer was asked %+v with %v", got, token)
 			}
 		})
+	}
+}
+
+// A signer that was unreachable is used again by the next request once it
+// is back, not when gRPC's reconnection backoff says (a second after the
+// first failure, growing to two minutes in a long outage): a failed
+// request makes the connection try again at once.
+func TestUpstreamReconnectsAtOnce(t *testing.T) {
+	const id = "spiffe://cluster.local/ns/app/sa/web"
+	ca, rootPEM := newTestAuthority(t)
+	files := t.TempDir()
+	rootsFile, tokenFile := filepath.Join(files, "roots.pem"), filepath.Join(files, "token")
+	for file, content := range map[string][]byte{rootsFile: rootPEM, tokenFile: []byte("node-token")} {
+		if err := os.WriteFile(file, content, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close() // nothing listens there: the signer is gone
+	up, err := newUpstream(Config{CAUpstream: addr, CAUpstreamRoots: rootsFile, CAUpstreamTokenFile: tokenFile}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer up.conn.Close()
+	csrPEM, csr := newCSR(t, id)
+	sign := func() error {
+		_, err := up.sign(t.Context(), csrPEM, csr, id, time.Hour)
+		return err
+	}
+	var upErr *upstreamError
+	if err := sign(); !errors.As(err, &upErr) || upErr.reason != ReasonUpstreamUnreachable {
+		t.Fatalf("a request while the signer is gone: %v, want %s", err, ReasonUpstreamUnreachable)
+	}
+	failed := time.Now()
+	serveTestSignerOn(t, ca, &testSigner{answer: func(context.Context, *pb.IstioCertificateRequest) (*pb.IstioCertificateResponse, error) {
+		issued, err := ca.SignWorkload(csr, id, time.Hour)
+		if err != nil {
+			return nil, err
+		}
+		return &pb.IstioCertificateResponse{CertChain: issued.ChainPEM}, nil
+	}}, addr)
+	// This one may fail (the connection is still the failed one); it makes
+	// it try again. Within gRPC's first backoff (0.8 s at least), the next
+	// succeeds only because of that.
+	sign()
+	time.Sleep(200 * time.Millisecond)
+	if err := sign(); err != nil {
+		t.Fatalf("%v after the first failure, the signer back: %v", time.Since(failed).Round(time.Millisecond), err)
 	}
 }
