@@ -31,6 +31,41 @@ const lastAppliedAnnotation = "kubectl.kubernetes.io/last-applied-configuration"
 // is to be run again once the ConfigMap has reached every node.
 var ErrRootsNotPublished = errors.New("the roots ConfigMap did not hold the root about to sign")
 
+// InitSecret creates the signer's CA Secret (NAMESPACE/NAME) with a new
+// root of trustDomain, and the nodes' roots ConfigMap with it. A Secret
+// that exists is kept (created is false): the ConfigMap is then made to
+// hold its roots, so that a run interrupted between the two writes is
+// completed by running it again.
+func InitSecret(ctx context.Context, kube kubernetes.Interface, secretName, rootsName, trustDomain string) (created bool, err error) {
+	ns, name, ok := strings.Cut(secretName, "/")
+	if !ok || ns == "" || name == "" {
+		return false, fmt.Errorf("Secret %q: want NAMESPACE/NAME", secretName)
+	}
+	secrets := kube.CoreV1().Secrets(ns)
+	secret, err := secrets.Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		certPEM, keyPEM, genErr := NewRootMaterial(trustDomain, rootValidity)
+		if genErr != nil {
+			return false, genErr
+		}
+		secret, err = secrets.Create(ctx, &corev1.Secret{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app.kubernetes.io/name": "mtlsbridge"}},
+			Type:       corev1.SecretTypeOpaque,
+			Data:       map[string][]byte{CACertFile: certPEM, CAKeyFile: keyPEM},
+		}, metav1.CreateOptions{})
+		created = err == nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("Secret %s: %w", secretName, err)
+	}
+	m, err := loadMaterial(memoryFiles{"Secret " + secretName, secret.Data})
+	if err != nil {
+		return created, fmt.Errorf("Secret %s: %w", secretName, err)
+	}
+	_, err = writeRoots(ctx, kube, rootsName, m.BundlePEM())
+	return created, err
+}
+
 // RotateSecret is RotateDir on the CA material of a Secret
 // (NAMESPACE/NAME), with the nodes' roots ConfigMap (NAMESPACE/NAME) kept
 // in step (see stepSecret).

@@ -108,6 +108,34 @@ func caCmd() *cobra.Command {
 			return nil
 		},
 	}
-	cmd.AddCommand(rotate, retire)
+	initCmd := &cobra.Command{
+		Use:   "init",
+		Short: "Create the signer's CA Secret with a new root, and the nodes' roots ConfigMap (--secret)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if secret == "" {
+				return errors.New("--secret is required: a CA folder is created by the agent at its first start")
+			}
+			if err := spiffe.ValidateTrustDomain(trustDomain); err != nil {
+				return fmt.Errorf("--trust-domain: %w", err)
+			}
+			client, err := kube()
+			if err != nil {
+				return err
+			}
+			created, err := identity.InitSecret(cmd.Context(), client, secret, rootsConfigMap, trustDomain)
+			if err != nil {
+				return err
+			}
+			if created {
+				fmt.Fprintf(cmd.OutOrStdout(), "Created Secret %s with a new root of trust domain %s, and its roots in ConfigMap %s.\n", secret, trustDomain, rootsConfigMap)
+			} else {
+				fmt.Fprintf(cmd.OutOrStdout(), "Secret %s exists and is kept; ConfigMap %s holds its roots.\n", secret, rootsConfigMap)
+			}
+			return nil
+		},
+	}
+	initCmd.Flags().StringVar(&trustDomain, "trust-domain", spiffe.DefaultTrustDomain, "Trust domain of the new root")
+	cmd.AddCommand(initCmd, rotate, retire)
 	return cmd
 }

@@ -47,20 +47,9 @@ func TestRotateTheSignersSecret(t *testing.T) {
 	}
 	first := certificates(t, certPEM)[0]
 	kubeconfig := kubetest.WriteKubeconfig(t, cfg)
-	// run runs a step; want is in its output, or in its error when it
-	// fails.
 	run := func(step, want string) error {
 		t.Helper()
-		cmd := rootCmd()
-		var out bytes.Buffer
-		cmd.SetOut(&out)
-		cmd.SetErr(&out)
-		cmd.SetArgs([]string{"ca", step, "--secret=kube-system/mtlsbridge-ca", "--kubeconfig=" + kubeconfig})
-		err := cmd.Execute()
-		if !strings.Contains(out.String()+fmt.Sprint(err), want) {
-			t.Fatalf("ca %s: %v, %q (want %q)", step, err, out.String(), want)
-		}
-		return err
+		return runCA(t, want, step, "--secret=kube-system/mtlsbridge-ca", "--kubeconfig="+kubeconfig)
 	}
 	// state reads the Secret's signing root, its next root if any, and the
 	// ConfigMap's roots.
@@ -134,4 +123,56 @@ func certificates(t *testing.T, pemData []byte) []*x509.Certificate {
 		t.Fatalf("no certificate in %q", pemData)
 	}
 	return out
+}
+
+// runCA runs `mtlsbridge ca ARGS...`; want is in its output, or in its
+// error when it fails.
+func runCA(t *testing.T, want string, args ...string) error {
+	t.Helper()
+	cmd := rootCmd()
+	var out bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetErr(&out)
+	cmd.SetArgs(append([]string{"ca"}, args...))
+	err := cmd.Execute()
+	if !strings.Contains(out.String()+fmt.Sprint(err), want) {
+		t.Fatalf("ca %v: %v, %q (want %q)", args, err, out.String(), want)
+	}
+	return err
+}
+
+// ca init --secret creates the signer's CA Secret with a new root of the
+// trust domain, and the nodes' roots ConfigMap with it; run again, it
+// keeps the Secret and brings the ConfigMap back in step.
+func TestInitTheSignersSecret(t *testing.T) {
+	cfg := kubetest.Start(t)
+	kube := kubernetes.NewForConfigOrDie(cfg)
+	ctx := t.Context()
+	args := []string{"init", "--secret=kube-system/mtlsbridge-ca", "--trust-domain=example.org", "--kubeconfig=" + kubetest.WriteKubeconfig(t, cfg)}
+	// root reads the Secret's root and checks that the ConfigMap holds it
+	// alone.
+	root := func() *x509.Certificate {
+		t.Helper()
+		s, err := kube.CoreV1().Secrets("kube-system").Get(ctx, "mtlsbridge-ca", metav1.GetOptions{})
+		must(t, err)
+		m, err := identity.ParseMaterial(s.Data[identity.CACertFile], s.Data[identity.CAKeyFile], nil)
+		must(t, err)
+		cm, err := kube.CoreV1().ConfigMaps("kube-system").Get(ctx, "mtlsbridge-ca-roots", metav1.GetOptions{})
+		must(t, err)
+		if roots := certificates(t, []byte(cm.Data[identity.RootsKey])); len(roots) != 1 || !roots[0].Equal(m.Root) {
+			t.Errorf("the roots ConfigMap holds %d roots, not the Secret's", len(roots))
+		}
+		return m.Root
+	}
+
+	must(t, runCA(t, "Created Secret kube-system/mtlsbridge-ca", args...))
+	first := root()
+	if len(first.URIs) != 1 || first.URIs[0].String() != "spiffe://example.org" {
+		t.Errorf("the new root names %v, want spiffe://example.org", first.URIs)
+	}
+	must(t, kube.CoreV1().ConfigMaps("kube-system").Delete(ctx, "mtlsbridge-ca-roots", metav1.DeleteOptions{}))
+	must(t, runCA(t, "exists and is kept", args...))
+	if !root().Equal(first) {
+		t.Error("a second init replaced the root")
+	}
 }
