@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
@@ -289,9 +288,9 @@ func (l *loader) reload(ctx context.Context, _ cell.Health) {
 }
 
 func (l *loader) readSecret(ctx context.Context) (*Material, error) {
-	ns, name, ok := strings.Cut(l.Config.CASecret, "/")
-	if !ok || ns == "" || name == "" {
-		return nil, fmt.Errorf("--ca-secret=%q: want NAMESPACE/NAME", l.Config.CASecret)
+	ns, name, err := namespacedName("--ca-secret", l.Config.CASecret)
+	if err != nil {
+		return nil, err
 	}
 	secret, err := l.Clients.Kube.CoreV1().Secrets(ns).Get(ctx, name, metav1.GetOptions{})
 	if err != nil {

@@ -18,6 +18,15 @@ import (
 	"k8s.io/client-go/kubernetes"
 )
 
+// namespacedName splits NAMESPACE/NAME, the name of an object of kind.
+func namespacedName(kind, name string) (namespace, n string, err error) {
+	namespace, n, ok := strings.Cut(name, "/")
+	if !ok || namespace == "" || n == "" {
+		return "", "", fmt.Errorf("%s %q: want NAMESPACE/NAME", kind, name)
+	}
+	return namespace, n, nil
+}
+
 // RootsKey is the key of the trust domain's roots in the nodes' roots
 // ConfigMap (--ca-upstream-roots reads it as a file).
 const RootsKey = "roots.pem"
@@ -37,9 +46,9 @@ var ErrRootsNotPublished = errors.New("the roots ConfigMap did not hold the root
 // hold its roots, so that a run interrupted between the two writes is
 // completed by running it again.
 func InitSecret(ctx context.Context, kube kubernetes.Interface, secretName, rootsName, trustDomain string) (created bool, err error) {
-	ns, name, ok := strings.Cut(secretName, "/")
-	if !ok || ns == "" || name == "" {
-		return false, fmt.Errorf("Secret %q: want NAMESPACE/NAME", secretName)
+	ns, name, err := namespacedName("Secret", secretName)
+	if err != nil {
+		return false, err
 	}
 	secrets := kube.CoreV1().Secrets(ns)
 	secret, err := secrets.Get(ctx, name, metav1.GetOptions{})
@@ -94,9 +103,9 @@ func RetireSecret(ctx context.Context, kube kubernetes.Interface, secret, roots 
 // once it has reached the nodes. A Secret that changed since it was read
 // is not overwritten.
 func stepSecret(ctx context.Context, kube kubernetes.Interface, secretName, rootsName string, step func(materialFiles) error) error {
-	ns, name, ok := strings.Cut(secretName, "/")
-	if !ok || ns == "" || name == "" {
-		return fmt.Errorf("Secret %q: want NAMESPACE/NAME", secretName)
+	ns, name, err := namespacedName("Secret", secretName)
+	if err != nil {
+		return err
 	}
 	secrets := kube.CoreV1().Secrets(ns)
 	secret, err := secrets.Get(ctx, name, metav1.GetOptions{})
@@ -143,9 +152,9 @@ func stepSecret(ctx context.Context, kube kubernetes.Interface, secretName, root
 // RootsKey, creating it if it does not exist, and returns the roots it
 // held before.
 func writeRoots(ctx context.Context, kube kubernetes.Interface, name string, roots []byte) ([]*x509.Certificate, error) {
-	ns, n, ok := strings.Cut(name, "/")
-	if !ok || ns == "" || n == "" {
-		return nil, fmt.Errorf("roots ConfigMap %q: want NAMESPACE/NAME", name)
+	ns, n, err := namespacedName("roots ConfigMap", name)
+	if err != nil {
+		return nil, err
 	}
 	configMaps := kube.CoreV1().ConfigMaps(ns)
 	cm, err := configMaps.Get(ctx, n, metav1.GetOptions{})
