@@ -49,6 +49,12 @@ func TestKubernetesSigner(t *testing.T) {
 	ztunnelA := createPodAs(t, kube, "kube-system", "ztunnel-a", "node-a", "ztunnel", map[string]string{"cilium.io/redir-type": "proxy"}, "127.0.0.1")
 	createPodAs(t, kube, "app", "web", "node-a", "web", nil, "10.0.1.10")
 	createPodAs(t, kube, "app", "api", "node-b", "api", nil, "10.0.2.10")
+	// A pod on no node yet holds no identity: the signer keeps no row of it.
+	_, err := kube.CoreV1().Pods("app").Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "unscheduled"},
+		Spec:       corev1.PodSpec{ServiceAccountName: "job", Containers: []corev1.Container{{Name: "main", Image: "registry.invalid/none"}}},
+	}, metav1.CreateOptions{})
+	must(t, err)
 	// A pod just started: the CNI has given it an address that the API
 	// does not show yet, and node-a's mTLS agent asks for its identity.
 	kubetest.CreateRunningPod(t, kube, &corev1.Pod{
@@ -75,6 +81,9 @@ func TestKubernetesSigner(t *testing.T) {
 	waitEnrolled(t, signer, "app/api")
 	waitEnrolled(t, signer, "app/static-node-a")
 	waitEnrollment(t, signer, "app/starting", "awaiting its address", func(e *enrollment.Enrollment) bool { return e.AwaitingIP })
+	if e, _, found := signer.enrollments.Get(signer.db.ReadTxn(), enrollment.ByKey("app/unscheduled")); found {
+		t.Errorf("the signer keeps a row of a pod on no node: %+v", e)
+	}
 	signerAddr := grpcAddr(t, signer)
 
 	// node-a's agent: the roots of the trust domain and its own token.

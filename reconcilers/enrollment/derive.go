@@ -176,8 +176,9 @@ func (d *derivation) update(dirty map[string]struct{}) {
 			e = decide(d.Config, in, pod)
 		}
 		// The signer (no node of its own) signs for pods awaiting their
-		// address too.
-		switch keep := e != nil && (e.Enrolled || e.Node == d.Node.NodeName || e.AwaitingIP && d.Node.NodeName == ""); {
+		// address too, and has no pods of its own.
+		signer := d.Node.NodeName == ""
+		switch keep := e != nil && (e.Enrolled || !signer && e.Node == d.Node.NodeName || signer && e.AwaitingIP); {
 		case keep && (!hadOld || *e != *old):
 			d.Enrollments.Insert(wtxn, e)
 			changed++

@@ -89,10 +89,11 @@ func decide(cfg Config, in *inputs, pod *tables.Pod) *Enrollment {
 		}
 	}
 	if len(pod.IPs) == 0 && !e.Excluded() {
-		// Nothing to redirect yet. Its identities are the pod's already:
-		// its node's mTLS agent asks for them as soon as the CNI has given
-		// the pod an address, before the API shows that address.
-		e.AwaitingIP, e.Enrolled, e.Reason = e.Enrolled, false, ReasonNoIP
+		// Nothing to redirect yet. A scheduled pod's identities are its
+		// own already: its node's mTLS agent asks for them as soon as the
+		// CNI has given the pod an address, before the API shows that
+		// address. A pod on no node yet holds none.
+		e.AwaitingIP, e.Enrolled, e.Reason = e.Enrolled && pod.NodeName != "", false, ReasonNoIP
 	}
 	if e.Enrolled || e.AwaitingIP {
 		e.SpiffeID = spiffe.WorkloadID(cfg.TrustDomain, pod.Namespace, pod.ServiceAccountOrDefault())
