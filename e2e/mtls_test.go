@@ -52,20 +52,29 @@ func TestMTLS(t *testing.T) {
 // HBONE from the other node arrives decapsulated on cilium_vxlan, where
 // each agent attaches node-ingress by itself (--tunnel-devices' default).
 // The underlay of the checks is node-a's tunnel device.
-func TestMTLSTunnel(t *testing.T) { checkThroughDevice(t, netnstest.TunnelVXLAN) }
+func TestMTLSTunnel(t *testing.T) { checkThroughDevice(t, bedConfig{tunnel: netnstest.TunnelVXLAN}) }
+
+// TestMTLSTunnelOverWireGuard proves it in tunnel routing with WireGuard:
+// the tunnel's packets cross cilium_wg0, where node_ingress_l3 passes
+// them (UDP), and HBONE comes out of cilium_vxlan decapsulated.
+func TestMTLSTunnelOverWireGuard(t *testing.T) {
+	checkThroughDevice(t, bedConfig{tunnel: netnstest.TunnelVXLAN, overWireGuard: true})
+}
 
 // TestMTLSWireGuard proves it with Cilium's WireGuard in native routing:
 // pods' packets cross the uplinks only as WireGuard's UDP, and HBONE from
 // the other node arrives on cilium_wg0, an L3 device (no Ethernet header),
 // which gets node_ingress_l3 (--tunnel-devices' default). The device is a
 // tun whose packets a relay carries unencrypted (netnstest.TunnelWireGuard).
-func TestMTLSWireGuard(t *testing.T) { checkThroughDevice(t, netnstest.TunnelWireGuard) }
+func TestMTLSWireGuard(t *testing.T) {
+	checkThroughDevice(t, bedConfig{tunnel: netnstest.TunnelWireGuard})
+}
 
 // checkThroughDevice: pods' packets between the nodes cross the uplinks
-// only inside the device's protocol; between enrolled pods they are mTLS
-// on the device, to pods not enrolled in clear.
-func checkThroughDevice(t *testing.T, device netnstest.Tunnel) {
-	b := newBedWith(t, newFolderCluster(t), bedConfig{tunnel: device})
+// only inside the tunnel device's protocol; between enrolled pods they are
+// mTLS on that device, to pods not enrolled in clear.
+func checkThroughDevice(t *testing.T, cfg bedConfig) {
+	b := newBedWith(t, newFolderCluster(t), cfg)
 	p := startCheckPods(b)
 	b.knows(p.a1.node, p.a1, p.b1, true)
 	b.knows(p.b1.node, p.b1, p.a1, true)

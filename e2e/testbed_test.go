@@ -150,6 +150,9 @@ type bedConfig struct {
 	// underlay capture is then node-a's tunnel device (every pod's packet
 	// between the nodes, decapsulated); uplink records node-a's uplink.
 	tunnel netnstest.Tunnel
+	// overWireGuard: the tunnel's packets cross cilium_wg0
+	// (netnstest.NewTunnelNodesOverWireGuard).
+	overWireGuard bool
 }
 
 // newBedWith is newBed as cfg says.
@@ -163,7 +166,9 @@ func newBedWith(t testing.TB, c cluster, cfg bedConfig) *bed {
 	must(t, os.WriteFile(filepath.Join(b.caDir, identity.CAKeyFile), keyPEM, 0o600))
 
 	var na, nb *netnstest.Node
-	if cfg.tunnel != "" {
+	if cfg.overWireGuard {
+		na, nb = netnstest.NewTunnelNodesOverWireGuard(t, cfg.tunnel)
+	} else if cfg.tunnel != "" {
 		na, nb = netnstest.NewTunnelNodes(t, cfg.tunnel)
 	} else {
 		na, nb = netnstest.NewNodes(t)

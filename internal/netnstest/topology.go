@@ -56,7 +56,7 @@ type Pod struct {
 
 // NewNodes creates two nodes joined by a veth pair between their uplinks,
 // each routing the other's pod ranges over it (Cilium's native routing).
-func NewNodes(t testing.TB) (*Node, *Node) { return newNodes(t, "") }
+func NewNodes(t testing.TB) (*Node, *Node) { return newNodes(t, "", false) }
 
 // Tunnel is a protocol of Cilium's tunnel routing mode.
 type Tunnel string
@@ -82,7 +82,27 @@ func (p Tunnel) Device() string { return "cilium_" + string(p) }
 // UDP port for the protocol, and arrive decapsulated on the other node's
 // tunnel device. Cilium's devices carry the peer in each packet's
 // metadata (BPF sets it); these name their one peer instead.
-func NewTunnelNodes(t testing.TB, protocol Tunnel) (*Node, *Node) { return newNodes(t, protocol) }
+func NewTunnelNodes(t testing.TB, protocol Tunnel) (*Node, *Node) {
+	return newNodes(t, protocol, false)
+}
+
+// NewTunnelNodesOverWireGuard is NewTunnelNodes with Cilium's WireGuard
+// under the tunnel: the tunnel's packets go between the nodes' WireGuard
+// addresses (10.254.0.i) through cilium_wg0, relayed as TunnelWireGuard's,
+// so that the uplinks carry only WireGuard's UDP and the tunnel's packets
+// arrive on cilium_wg0 before they are decapsulated on the tunnel device.
+func NewTunnelNodesOverWireGuard(t testing.TB, protocol Tunnel) (*Node, *Node) {
+	return newNodes(t, protocol, true)
+}
+
+// wireGuardAddr is node i's address on cilium_wg0 under a tunnel.
+func wireGuardAddr(index int) netip.Addr {
+	return netip.MustParseAddr(fmt.Sprintf("10.254.0.%d", index))
+}
+
+// wireGuardOverhead is what the relay adds on the uplink (outer IPv4 and
+// UDP; WireGuard would add its 32 bytes too).
+const wireGuardOverhead = 60
 
 // Tunnel addresses: node i has 10.255.0.i/24 and fd00:fffe::i/64 on its
 // tunnel device, the next hop of the other node's pod ranges.
@@ -95,7 +115,7 @@ func tunnelAddrs(index int) (netip.Addr, netip.Addr) {
 // MTU, so that pods keep 1500.
 const tunnelOverhead = 50
 
-func newNodes(t testing.TB, tunnel Tunnel) (*Node, *Node) {
+func newNodes(t testing.TB, tunnel Tunnel, overWireGuard bool) (*Node, *Node) {
 	t.Helper()
 	a, b := newNode(t, 1), newNode(t, 2)
 	la := &netlink.Veth{
@@ -109,7 +129,10 @@ func newNodes(t testing.TB, tunnel Tunnel) (*Node, *Node) {
 		l, err := h.LinkByName(UplinkName)
 		must(t, err)
 		n.Uplink = l
-		if tunnel != "" {
+		switch {
+		case overWireGuard:
+			must(t, h.LinkSetMTU(l, 1500+tunnelOverhead+wireGuardOverhead))
+		case tunnel != "":
 			must(t, h.LinkSetMTU(l, 1500+tunnelOverhead))
 		}
 		must(t, h.LinkSetUp(l))
@@ -135,27 +158,49 @@ func newNodes(t testing.TB, tunnel Tunnel) (*Node, *Node) {
 			must(t, h.RouteAdd(&netlink.Route{Dst: dst, Gw: r.gw.AsSlice(), LinkIndex: dev.Attrs().Index}))
 		}
 	}
+	if overWireGuard {
+		addWireGuardUnderlay(t, a, b)
+		addWireGuardUnderlay(t, b, a)
+	}
 	if tunnel != "" {
-		addTunnel(t, a, b, tunnel)
-		addTunnel(t, b, a, tunnel)
+		addTunnel(t, a, b, tunnel, overWireGuard)
+		addTunnel(t, b, a, tunnel, overWireGuard)
 	}
 	route(a, b)
 	route(b, a)
 	return a, b
 }
 
+// addWireGuardUnderlay gives n cilium_wg0 towards peer (relayL3), with
+// n's WireGuard address, for a tunnel over it.
+func addWireGuardUnderlay(t testing.TB, n, peer *Node) {
+	t.Helper()
+	name := TunnelWireGuard.Device()
+	relayL3(t, n, peer, name)
+	h := n.Netlink(t)
+	l, err := h.LinkByName(name)
+	must(t, err)
+	must(t, h.LinkSetMTU(l, 1500+tunnelOverhead))
+	must(t, h.LinkSetUp(l))
+	addAddr(t, n.NS, h, l, wireGuardAddr(n.Index), 24)
+}
+
 // addTunnel gives n its tunnel device towards peer, with n's tunnel
-// addresses.
-func addTunnel(t testing.TB, n, peer *Node, protocol Tunnel) {
+// addresses; overWireGuard, between the nodes' WireGuard addresses.
+func addTunnel(t testing.TB, n, peer *Node, protocol Tunnel, overWireGuard bool) {
 	t.Helper()
 	attrs := netlink.LinkAttrs{Name: protocol.Device(), MTU: 1500}
+	local, remote, underlay := n.Addr4, peer.Addr4, n.Uplink.Attrs().Index
+	if overWireGuard {
+		local, remote, underlay = wireGuardAddr(n.Index), wireGuardAddr(peer.Index), 0
+	}
 	var l netlink.Link
 	switch protocol {
 	case TunnelVXLAN:
-		l = &netlink.Vxlan{LinkAttrs: attrs, VxlanId: 2, SrcAddr: n.Addr4.AsSlice(), Group: peer.Addr4.AsSlice(),
-			Port: 8472, VtepDevIndex: n.Uplink.Attrs().Index}
+		l = &netlink.Vxlan{LinkAttrs: attrs, VxlanId: 2, SrcAddr: local.AsSlice(), Group: remote.AsSlice(),
+			Port: 8472, VtepDevIndex: underlay}
 	case TunnelGeneve:
-		l = &netlink.Geneve{LinkAttrs: attrs, ID: 2, Remote: peer.Addr4.AsSlice(), Dport: 6081}
+		l = &netlink.Geneve{LinkAttrs: attrs, ID: 2, Remote: remote.AsSlice(), Dport: 6081}
 	case TunnelWireGuard:
 		relayL3(t, n, peer, attrs.Name)
 	default:
