@@ -14,6 +14,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/grpcserver"
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/metrics"
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
@@ -46,6 +47,7 @@ var Cell = cell.Group(
 	ingest.Cell,     // Kubernetes or manifest folder into tables
 	enrollment.Cell, // enrollments: who is in, and why
 	steering.Cell,   // --redirect-mode: which of the two modes below steers enrolled pods
+	nodenetns.Cell,  // the node's network namespace, where both modes act on the node
 	redirect.Cell,   // l2 mode: redirects and attachments, enrolled pods' TCP steered to the mTLS agent in the kernel
 	inpod.Cell,      // inpod mode: redirection inside each enrolled pod, which ZDS hands to ztunnel
 	readiness.Cell,  // ready-annotations: local pods whose redirection is in place, published on them

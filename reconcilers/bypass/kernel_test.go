@@ -32,6 +32,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/metrics"
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/bypass"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
@@ -108,7 +109,7 @@ func (nd *node) startAgent(t *testing.T, extraFlags ...string) *agent {
 	a := &agent{stateDir: t.TempDir()}
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		metrics.Cell, statedir.Cell, tables.Cell, ingest.Cell, enrollment.Cell, redirect.Cell, api.Cell, bypass.Cell,
+		metrics.Cell, statedir.Cell, tables.Cell, ingest.Cell, enrollment.Cell, nodenetns.Cell, redirect.Cell, api.Cell, bypass.Cell,
 		cell.Invoke(func(c *bypass.Checker, tbl statedb.Table[*bypass.Bypass], db *statedb.DB, reg *prometheus.Registry) {
 			a.checker, a.table, a.db, a.metrics = c, tbl, db, reg
 		}),

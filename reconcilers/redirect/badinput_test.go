@@ -24,6 +24,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/metrics"
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/tables"
@@ -190,7 +191,7 @@ status: {phase: Running, podIPs: [{ip: 192.0.2.11}]}
 	)
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, redirect.Cell,
+		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, nodenetns.Cell, redirect.Cell,
 		cell.Invoke(func(d *statedb.DB, r statedb.Table[*redirect.Redirect], p statedb.Table[*tables.Pod]) {
 			db, redirects, pods = d, r, p
 		}),

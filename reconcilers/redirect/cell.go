@@ -24,9 +24,6 @@ var Cell = cell.Module(
 	"redirect",
 	"Enrolled pods TCP steered to the node mTLS agent in the kernel",
 
-	// The namespace of the node's devices, opened once for netlink, TCX
-	// attachment and the bypass check's reads.
-	cell.Provide(newNodeNetns),
 	// The kernel side: BPF objects pinned under --bpf-root, and netlink;
 	// with --enable-redirect=false, stand-ins that touch nothing. Tests of
 	// the derivation and the reconcilers provide their own and use Core.
@@ -85,9 +82,6 @@ type Config struct {
 	// Each that exists gets the node-ingress program (flag
 	// --tunnel-devices).
 	TunnelDevices []string
-	// NodeNetns is the path of the network namespace holding the node's
-	// devices; empty means the agent's own (flag --node-netns).
-	NodeNetns string
 }
 
 var defaultConfig = Config{
@@ -102,7 +96,6 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.String("bpf-root", def.BPFRoot, "Folder on bpffs for the agent's pinned map and links (created writable by root only)")
 	flags.StringSlice("devices", def.Devices, "Uplink devices of the node, where HBONE (port 15008) from other nodes arrives in native routing (NAME+: every device NAME prefixes); empty: found as Cilium finds its devices")
 	flags.StringSlice("tunnel-devices", def.TunnelDevices, "Cilium's tunnel devices and WireGuard device, where HBONE from other nodes arrives decapsulated (tunnel routing) or decrypted (native routing with WireGuard); each that exists gets the node-ingress program")
-	flags.String("node-netns", def.NodeNetns, "Network namespace (path) of the node's devices; empty: the agent's own")
 }
 
 func newJobGroup(reg job.Registry, health cell.Health) job.Group { return reg.NewGroup(health) }

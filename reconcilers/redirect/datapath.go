@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/hive/cell"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/statedir"
 )
@@ -44,7 +45,7 @@ type Datapath interface {
 // they outlive the agent: programs keep steering while it restarts.
 type bpfDatapath struct {
 	root  string
-	netns *NodeNetns
+	netns *nodenetns.Namespace
 	// loaded is nil until the start hook has loaded the programs or failed
 	// to: the reconcilers' jobs may run before it (the hook waits while
 	// another agent holds the BPF root).
@@ -69,7 +70,7 @@ type datapathParams struct {
 	Health    cell.Health
 	Config    Config
 	Mode      steering.Config `optional:"true"`
-	Netns     *NodeNetns
+	Netns     *nodenetns.Namespace
 }
 
 func newDatapath(p datapathParams) Datapath {

@@ -19,6 +19,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
 
@@ -88,7 +89,7 @@ type Interfaces interface {
 // (Cilium routes pods through cilium_host unless endpoint routes are on),
 // and an address counts only where it is really configured.
 type netlinkInterfaces struct {
-	netns         *NodeNetns
+	netns         *nodenetns.Namespace
 	detectUplinks bool
 
 	mu      sync.Mutex
@@ -100,7 +101,7 @@ type interfacesParams struct {
 
 	Config Config
 	Mode   steering.Config `optional:"true"`
-	Netns  *NodeNetns
+	Netns  *nodenetns.Namespace
 	Jobs   job.Group
 }
 
@@ -154,7 +155,7 @@ func (ni *netlinkInterfaces) subscribe(ctx context.Context) error {
 		default:
 		}
 	}
-	ns := ni.netns.handle
+	ns := ni.netns.Handle()
 	if err := netlink.LinkSubscribeWithOptions(links, done, netlink.LinkSubscribeOptions{Namespace: &ns, ErrorCallback: onErr}); err != nil {
 		return fmt.Errorf("subscribe to links: %w", err)
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/metrics"
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
@@ -145,7 +146,7 @@ func (c *cluster) startAgent(t *testing.T, extraFlags ...string) *agent {
 	a := &agent{}
 	a.h = hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, redirect.Cell, readiness.Cell,
+		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, nodenetns.Cell, redirect.Cell, readiness.Cell,
 		cell.Invoke(func(db *statedb.DB, r statedb.Table[*redirect.Redirect], at statedb.Table[*redirect.Attachment], p statedb.Table[*tables.Pod]) {
 			a.db, a.redirects, a.attachments, a.pods = db, r, at, p
 		}),

@@ -26,6 +26,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/bpf"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/metrics"
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/redirect"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
@@ -161,7 +162,7 @@ func (c *cluster) startOtherMode(t *testing.T) *otherModeAgent {
 	t.Helper()
 	o := &otherModeAgent{inPod: steeringtest.New(steering.ModeInPod), root: filepath.Join(c.bpfRoot, "agent")}
 	h := hive.New(cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, redirect.Cell,
+		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, nodenetns.Cell, redirect.Cell,
 		cell.Provide(o.inPod.Out),
 		cell.Invoke(func(d *statedb.DB, r statedb.Table[*redirect.Redirect]) { o.db, o.redirects = d, r }))
 	flags := pflag.NewFlagSet("", pflag.ContinueOnError)

@@ -14,6 +14,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/mtlsbridge/mtlsbridge/bpf"
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 )
 
 // PinnedState reads the datapath through its pins under --bpf-root, and
@@ -23,10 +24,10 @@ import (
 // reads the kernel through it, never the reconcilers' tables.
 type PinnedState struct {
 	root  string
-	netns *NodeNetns
+	netns *nodenetns.Namespace
 }
 
-func newPinnedState(cfg Config, netns *NodeNetns) *PinnedState {
+func newPinnedState(cfg Config, netns *nodenetns.Namespace) *PinnedState {
 	return &PinnedState{root: cfg.BPFRoot, netns: netns}
 }
 
@@ -61,7 +62,7 @@ func (k *PinnedState) Link(device string) (bpf.LinkInfo, error) {
 //
 // Possible errors: one wrapping os.ErrNotExist when there is none.
 func (k *PinnedState) Interface(ifindex int) (string, bool, error) {
-	h, err := netlink.NewHandleAt(k.netns.handle)
+	h, err := netlink.NewHandleAt(k.netns.Handle())
 	if err != nil {
 		return "", false, err
 	}
