@@ -81,6 +81,7 @@ func TestApplyToAPIServer(t *testing.T) {
 	objs := append(renderCilium(t), readManifests(t)...)
 	objs = append(objs, readFile(t, "optional/mtlsbridge-ca-secret-rbac.yaml")...)
 	objs = append(objs, readFile(t, "optional/mtlsbridge-mtls-agent-ingress.yaml")...)
+	objs = append(objs, readFile(t, "optional/mtlsbridge-probe-snat-ingress.yaml")...)
 	// Namespaces for real, as Helm creates them first: a dry run stores
 	// nothing, and the objects inside would find no namespace.
 	for _, obj := range objs {

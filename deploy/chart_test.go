@@ -29,6 +29,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/cni/install"
 	"github.com/mtlsbridge/mtlsbridge/cni/plugin"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -367,6 +368,47 @@ func checkSignerPolicy(t *testing.T, obj *unstructured.Unstructured, signer *app
 	parsed := tables.ParsePolicy(tables.KindCNP, p.Namespace, p.Name, obj.Object)
 	if parsed.Error != "" || parsed.RequiresAuthentication() {
 		t.Errorf("mtlsbridge reads the signer's policy as error %q, requiring authentication %v", parsed.Error, parsed.RequiresAuthentication())
+	}
+}
+
+// probeSNATPolicy is the optional CiliumClusterwideNetworkPolicy of the
+// in-pod mode, read strictly.
+type probeSNATPolicy struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata"`
+	Spec              struct {
+		Description       string               `json:"description"`
+		EndpointSelector  metav1.LabelSelector `json:"endpointSelector"`
+		EnableDefaultDeny struct {
+			Ingress *bool `json:"ingress"`
+			Egress  *bool `json:"egress"`
+		} `json:"enableDefaultDeny"`
+		Ingress []struct {
+			FromCIDR []string `json:"fromCIDR"`
+		} `json:"ingress"`
+	} `json:"spec"`
+}
+
+// TestProbeSNATPolicy: the optional policy of the in-pod mode lets the
+// addresses the node agent SNATs probes to, and nothing else, reach every
+// pod, without putting any pod into default deny; mtlsbridge reads it as a
+// valid policy that enrolls no one.
+func TestProbeSNATPolicy(t *testing.T) {
+	obj := find(t, readFile(t, "optional/mtlsbridge-probe-snat-ingress.yaml"), "CiliumClusterwideNetworkPolicy", "mtlsbridge-probe-snat-ingress")
+	p := typed[probeSNATPolicy](t, obj)
+	if sel := p.Spec.EndpointSelector; len(sel.MatchLabels)+len(sel.MatchExpressions) > 0 {
+		t.Errorf("the policy selects %v, want every pod", sel)
+	}
+	if deny := p.Spec.EnableDefaultDeny; deny.Ingress == nil || *deny.Ingress || deny.Egress == nil || *deny.Egress {
+		t.Errorf("enableDefaultDeny %+v: want ingress and egress false, or pods it selects alone lose all other traffic", deny)
+	}
+	want := []string{netip.PrefixFrom(inpod.ProbeSNAT4, 32).String(), netip.PrefixFrom(inpod.ProbeSNAT6, 128).String()}
+	if len(p.Spec.Ingress) != 1 || !slices.Equal(p.Spec.Ingress[0].FromCIDR, want) {
+		t.Errorf("ingress %+v, want one rule from %v only", p.Spec.Ingress, want)
+	}
+	parsed := tables.ParsePolicy(tables.KindCCNP, "", p.Name, obj.Object)
+	if parsed.Error != "" || parsed.RequiresAuthentication() {
+		t.Errorf("mtlsbridge reads the policy as error %q, requiring authentication %v", parsed.Error, parsed.RequiresAuthentication())
 	}
 }
 

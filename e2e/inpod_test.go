@@ -173,6 +173,20 @@ func runInPodChecks(t *testing.T, b *bed) {
 		if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
 			t.Errorf("without a proxy, a1 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
 		}
+		// The kubelet's probes need no proxy: node-a's own connections to
+		// a1 come from the probe address, which a1's redirection lets in;
+		// those to aplain keep the node's source.
+		for i, probe := range []netip.Addr{inpod.ProbeSNAT4, inpod.ProbeSNAT6} {
+			v6 := i == 1
+			r, err := sendFrom(na.ns.NS, netip.AddrPortFrom(p.a1.addr(v6), digestPort), []byte("probe"))
+			if err != nil || r.server != "a1" || r.remote.Addr() != probe {
+				t.Errorf("without a proxy, node-a -> a1: %+v %v, want a1 from %s", r, err, probe)
+			}
+			r, err = sendFrom(na.ns.NS, netip.AddrPortFrom(p.aplain.addr(v6), digestPort), []byte("probe"))
+			if err != nil || r.server != "aplain" || r.remote.Addr() == probe {
+				t.Errorf("node-a -> aplain: %+v %v, want aplain from the node's address", r, err)
+			}
+		}
 		na.startProxy()
 		na.waitProxyReady()
 		b.knows(na, p.a1, p.b1, true)

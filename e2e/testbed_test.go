@@ -669,8 +669,13 @@ func requestBody(marker []byte, size int) []byte {
 // send connects from the pod to dst, sends body, half-closes, and reads
 // the digest server's reply; it checks that the body arrived intact.
 func send(from *bedPod, dst netip.AddrPort, body []byte) (reply, error) {
+	return sendFrom(from.ns, dst, body)
+}
+
+// sendFrom is send from any namespace (a node's).
+func sendFrom(ns *netnstest.NS, dst netip.AddrPort, body []byte) (reply, error) {
 	var c net.Conn
-	err := from.ns.Do(func() (err error) {
+	err := ns.Do(func() (err error) {
 		c, err = net.DialTimeout("tcp", dst.String(), requestTimeout)
 		return err
 	})

@@ -61,6 +61,9 @@ var Core = cell.Group(
 	// Redirections into the pods' namespaces; in the l2 mode, out of them.
 	cell.ProvidePrivate(newReconciler),
 	cell.Invoke(func(reconciler.Reconciler[*Redirection]) {}),
+	// The node's own connections to those pods (the kubelet's probes)
+	// SNATed to the address their redirection lets past ztunnel.
+	cell.Invoke(registerProbeSNAT),
 	// inpod/prune: prune now (tests, and after repairs by hand).
 	cell.Provide(scriptCommands),
 	// ztunnel told of the pods over ZDS, in the inpod mode only.
@@ -84,6 +87,11 @@ type Config struct {
 	// --netns-search-min-age): one made later may have been in its CNI
 	// ADD then, its addresses not yet given.
 	NetnsSearchMinAge time.Duration
+	// ProbeSNAT makes the node's own connections to pods redirected in
+	// their namespace (the kubelet's probes) come from the probe
+	// addresses, which the redirection lets past ztunnel (flag
+	// --probe-snat).
+	ProbeSNAT bool
 }
 
 // DefaultZDSSocket is ztunnel's default INPOD_UDS.
@@ -92,7 +100,7 @@ const DefaultZDSSocket = "/var/run/ztunnel/ztunnel.sock"
 // DefaultNetnsDir is where containerd and CRI-O pin pods' namespaces.
 const DefaultNetnsDir = "/var/run/netns"
 
-var defaultConfig = Config{ZDSSocket: DefaultZDSSocket, NetnsDir: DefaultNetnsDir, NetnsSearchMinAge: 5 * time.Minute}
+var defaultConfig = Config{ZDSSocket: DefaultZDSSocket, NetnsDir: DefaultNetnsDir, NetnsSearchMinAge: 5 * time.Minute, ProbeSNAT: true}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(flags *pflag.FlagSet) {
@@ -102,4 +110,6 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 		"--redirect-mode=inpod: the folder where the container runtime pins pods' network namespaces, searched by address for an enrolled pod no CNI report names (one started before mtlsbridge-cni was chained); empty: never searched")
 	flags.Duration("netns-search-min-age", def.NetnsSearchMinAge,
 		"--redirect-mode=inpod: how long before this boot's first agent start a namespace must have existed to be searched (longer than a CNI ADD takes)")
+	flags.Bool("probe-snat", def.ProbeSNAT,
+		"--redirect-mode=inpod: SNAT the node's own TCP connections to pods redirected in their namespace (the kubelet's probes) to 169.254.7.127 and fd16:9254:7127:1337:ffff:ffff:ffff:ffff, which the redirection lets past ztunnel (nftables table inet mtlsbridge-probes on the node)")
 }

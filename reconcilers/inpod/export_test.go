@@ -10,9 +10,9 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
-// NetlinkTargetForTests is the cell's target, for tests that read real
-// namespaces.
-func NetlinkTargetForTests() Target { return newNetlinkTarget() }
+// NetlinkTargetForTests is the cell's target, for tests that read real pods'
+// namespaces (not the node's).
+func NetlinkTargetForTests() Target { return netlinkTarget{} }
 
 // PruneInterval is the reconciler's periodic prune interval.
 const PruneInterval = pruneInterval

@@ -30,6 +30,7 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/internal/manifesttest"
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 	"github.com/mtlsbridge/mtlsbridge/metrics"
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/enrollment"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/readiness"
@@ -52,6 +53,7 @@ func TestKernel(t *testing.T) {
 	a := n1.AddPod(t, "a")
 	r := n2.AddPod(t, "r")
 	r.Serve(t, "r", 8080, false, r.IP4, r.IP6)
+	a.Serve(t, "a", 8080, false, a.IP4, a.IP6)
 	manifests := t.TempDir()
 	path := "/var/run/netns/" + a.NS.Name
 	must(t, manifesttest.Write(manifests, "cluster.yaml", clusterOf(a)))
@@ -61,7 +63,7 @@ func TestKernel(t *testing.T) {
 	socket := startZtunnel(t)
 
 	// The agent in the in-pod mode.
-	ag := startAgent(t, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket)
+	ag := startAgent(t, n1, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket)
 	ag.waitSteered(t, "app/a", a.IP4, a.IP6)
 	expectRules(t, a, "in place")
 	for _, dst := range []netip.Addr{r.IP4, r.IP6} {
@@ -69,6 +71,9 @@ func TestKernel(t *testing.T) {
 			t.Errorf("a -> %s: %v %v, want ztunnel's listener in a's namespace", dst, got, err)
 		}
 	}
+	// The node's own connections (the kubelet's probes) reach a itself,
+	// from the probe address, not ztunnel's plain inbound listener.
+	expectProbes(t, n1, a, "the in-pod mode", true)
 
 	// Restart: the redirection stays while no agent runs, and the new
 	// agent takes it over; ztunnel gets a snapshot again.
@@ -77,13 +82,14 @@ func TestKernel(t *testing.T) {
 	if got, err := a.Ask(netip.AddrPortFrom(r.IP4, 8080)); err != nil || got.Server != "ztunnel-a-1" {
 		t.Errorf("while no agent runs, a -> r: %v %v, want ztunnel", got, err)
 	}
-	ag = startAgent(t, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket)
+	expectProbes(t, n1, a, "no agent", true)
+	ag = startAgent(t, n1, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket)
 	ag.waitSteered(t, "app/a", a.IP4, a.IP6)
 	expectRules(t, a, "in place")
 	ag.stop(t)
 
 	// The mode turned off: nothing of it stays in the pod.
-	startAgent(t, manifests, report, "--redirect-mode=l2")
+	startAgent(t, n1, manifests, report, "--redirect-mode=l2")
 	deadline := time.Now().Add(waitTimeout)
 	for {
 		gaps := rulesGaps(t, a)
@@ -98,6 +104,27 @@ func TestKernel(t *testing.T) {
 	}
 	if got, err := a.Ask(netip.AddrPortFrom(r.IP4, 8080)); err != nil || got.Server != "r" {
 		t.Errorf("after the in-pod mode, a -> r: %v %v, want r directly", got, err)
+	}
+	expectProbes(t, n1, a, "the l2 mode", false)
+}
+
+// expectProbes waits until the node's connections to p reach p itself,
+// from the probe addresses when snat, else from the node's own.
+func expectProbes(t *testing.T, node *netnstest.Node, p *netnstest.Pod, when string, snat bool) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for i, probe := range []netip.Addr{inpod.ProbeSNAT4, inpod.ProbeSNAT6} {
+		dst := netip.AddrPortFrom([]netip.Addr{p.IP4, p.IP6}[i], 8080)
+		for {
+			got, err := node.Ask(dst)
+			if err == nil && got.Server == p.Name && (got.Remote.Addr() == probe) == snat {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: node -> %s: %v %v, want %s, SNATed to the probe address: %v", when, dst, got, err, p.Name, snat)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
 	}
 }
 
@@ -125,7 +152,7 @@ func TestKernelFindsUnreportedNetns(t *testing.T) {
 
 	socket := startZtunnel(t)
 
-	ag := startAgent(t, manifests, nil, "--redirect-mode=inpod", "--zds-socket="+socket, "--netns-dir="+folder)
+	ag := startAgent(t, n1, manifests, nil, "--redirect-mode=inpod", "--zds-socket="+socket, "--netns-dir="+folder)
 	ag.waitSteered(t, "app/a", a.IP4, a.IP6)
 	expectRules(t, a, "in place")
 	for _, dst := range []netip.Addr{r.IP4, r.IP6} {
@@ -243,13 +270,13 @@ type testAgent struct {
 
 // startAgent starts the agent; the CNI report comes back from the state
 // folder as package cni does, before cni-pods counts as initialized.
-func startAgent(t *testing.T, manifests string, report *tables.CNIPod, flags ...string) *testAgent {
+func startAgent(t *testing.T, node *netnstest.Node, manifests string, report *tables.CNIPod, flags ...string) *testAgent {
 	ag := &testAgent{}
 	l2 := steeringtest.New(steering.ModeL2)
 	l2.SteerAll()
 	h := hive.New(
 		cell.SimpleHealthCell, job.Cell, statedb.Cell,
-		metrics.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, readiness.Cell, workload.Cell,
+		metrics.Cell, nodenetns.Cell, tables.Cell, ingest.Cell, enrollment.Cell, steering.Cell, readiness.Cell, workload.Cell,
 		// In the l2 mode, every pod is steered at once.
 		cell.Provide(l2.Out, inpod.TableReportsForTests),
 		inpod.Cell,
@@ -267,7 +294,8 @@ func startAgent(t *testing.T, manifests string, report *tables.CNIPod, flags ...
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(fs)
 	// The host's namespaces are never searched (flags may name a folder).
-	must(t, fs.Parse(append([]string{"--source=dir:" + manifests, "--node-name=node-a", "--netns-dir=" + t.TempDir(), "--netns-search-min-age=0s"}, flags...)))
+	must(t, fs.Parse(append([]string{"--source=dir:" + manifests, "--node-name=node-a", "--node-netns=/var/run/netns/" + node.Name,
+		"--netns-dir=" + t.TempDir(), "--netns-search-min-age=0s"}, flags...)))
 	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
 	defer cancel()
 	must(t, h.Start(hivetest.Logger(t), ctx))

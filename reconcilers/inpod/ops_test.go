@@ -83,7 +83,7 @@ func TestRowsTheAgentCannotIdentify(t *testing.T) {
 // agent's own, and a path that is no network namespace hold nothing of the
 // redirection, and are no error of the prune.
 func TestPresentFindsNothingWhereNothingCanBe(t *testing.T) {
-	target := newNetlinkTarget()
+	target := netlinkTarget{}
 	// A path that is gone, or can name nothing, is gone to the prune: it
 	// is no candidate.
 	for _, path := range []string{"/run/netns/none-such", "/etc/hostname/net"} {
@@ -116,7 +116,7 @@ func TestStalePathNamesAnotherPod(t *testing.T) {
 		os.Remove(stale)
 		must(t, os.Symlink(path, stale))
 	}
-	target := newNetlinkTarget()
+	target := netlinkTarget{}
 	// A process's /proc/PID/ns/net, the path cri-dockerd reports, and the
 	// bind mount of /var/run/netns name one namespace alike.
 	var sleeper *exec.Cmd

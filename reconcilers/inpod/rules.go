@@ -243,25 +243,44 @@ func applyRules(h netns.NsHandle, fam families) error {
 		return err
 	}
 	table := &nftables.Table{Name: NFTTableName, Family: nftables.TableFamilyINet}
-	exists, err := tableExists(conn)
-	if err != nil {
+	if err := replaceTable(conn, table, nil, func() []chainSpec { return ruleset() }); err != nil {
 		return fmt.Errorf("nftables: %w", err)
+	}
+	return routing(h, fam, true)
+}
+
+// replaceTable writes table anew in one transaction: deleted if it
+// exists, added with its sets, then its chains and rules. chains is called
+// once the sets are added, which gives them the IDs the rules' lookups
+// name.
+func replaceTable(conn *nftables.Conn, table *nftables.Table, sets []setSpec, chains func() []chainSpec) error {
+	exists, err := tableExists(conn, table.Name)
+	if err != nil {
+		return err
 	}
 	if exists {
 		conn.DelTable(table)
 	}
 	conn.AddTable(table)
+	for _, s := range sets {
+		if err := conn.AddSet(s.set, s.elements); err != nil {
+			return err
+		}
+	}
 	accept := nftables.ChainPolicyAccept
-	for _, c := range ruleset() {
+	for _, c := range chains() {
 		chain := conn.AddChain(&nftables.Chain{Name: c.name, Table: table, Type: c.typ, Hooknum: c.hook, Priority: c.priority, Policy: &accept})
 		for _, r := range c.rules {
 			conn.AddRule(&nftables.Rule{Table: table, Chain: chain, Exprs: r})
 		}
 	}
-	if err := conn.Flush(); err != nil {
-		return fmt.Errorf("nftables: %w", err)
-	}
-	return routing(h, fam, true)
+	return conn.Flush()
+}
+
+// setSpec is a named set of a table and its elements.
+type setSpec struct {
+	set      *nftables.Set
+	elements []nftables.SetElement
 }
 
 // removeRules deletes the table, the rule and the routes; what is missing
@@ -272,7 +291,7 @@ func removeRules(h netns.NsHandle) error {
 	if err != nil {
 		return err
 	}
-	if exists, err := tableExists(conn); err != nil {
+	if exists, err := tableExists(conn, NFTTableName); err != nil {
 		errs = append(errs, fmt.Errorf("nftables: %w", err))
 	} else if exists {
 		conn.DelTable(&nftables.Table{Name: NFTTableName, Family: nftables.TableFamilyINet})
@@ -284,12 +303,13 @@ func removeRules(h netns.NsHandle) error {
 	return errors.Join(errs...)
 }
 
-func tableExists(conn *nftables.Conn) (bool, error) {
+// tableExists tells whether the inet table name exists.
+func tableExists(conn *nftables.Conn, name string) (bool, error) {
 	tables, err := conn.ListTablesOfFamily(nftables.TableFamilyINet)
 	if err != nil {
 		return false, err
 	}
-	return slices.ContainsFunc(tables, func(t *nftables.Table) bool { return t.Name == NFTTableName }), nil
+	return slices.ContainsFunc(tables, func(t *nftables.Table) bool { return t.Name == name }), nil
 }
 
 // policy routing of a family: the rule and the table's local route.
@@ -369,7 +389,7 @@ func checkRules(h netns.NsHandle, fam families) ([]string, error) {
 		return nil, err
 	}
 	var gaps []string
-	exists, err := tableExists(conn)
+	exists, err := tableExists(conn, NFTTableName)
 	if err != nil {
 		return nil, fmt.Errorf("nftables: %w", err)
 	}
@@ -377,7 +397,7 @@ func checkRules(h netns.NsHandle, fam families) ([]string, error) {
 		gaps = append(gaps, GapTableMissing)
 	} else {
 		table := &nftables.Table{Name: NFTTableName, Family: nftables.TableFamilyINet}
-		for _, diff := range diffTable(conn, table) {
+		for _, diff := range diffTable(conn, table, ruleset()) {
 			gaps = append(gaps, GapTableAltered+": "+diff)
 		}
 	}
@@ -440,21 +460,20 @@ func checkListeners(h netns.NsHandle) ([]string, error) {
 	return gaps, nil
 }
 
-// diffTable compares the table's chains and rules with ruleset(), by the
+// diffTable compares the table's chains and rules with want, by the
 // netlink encoding of each rule's expressions.
-func diffTable(conn *nftables.Conn, table *nftables.Table) []string {
+func diffTable(conn *nftables.Conn, table *nftables.Table, want []chainSpec) []string {
 	chains, err := conn.ListChainsOfTableFamily(nftables.TableFamilyINet)
 	if err != nil {
 		return []string{err.Error()}
 	}
 	have := map[string]*nftables.Chain{}
 	for _, c := range chains {
-		if c.Table.Name == NFTTableName {
+		if c.Table.Name == table.Name {
 			have[c.Name] = c
 		}
 	}
 	var diffs []string
-	want := ruleset()
 	for _, spec := range want {
 		c := have[spec.name]
 		delete(have, spec.name)
@@ -524,7 +543,7 @@ func rulesPresent(h netns.NsHandle) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if exists, err := tableExists(conn); err != nil || exists {
+	if exists, err := tableExists(conn, NFTTableName); err != nil || exists {
 		return exists, err
 	}
 	nl, err := netlink.NewHandleAt(h)

@@ -177,6 +177,8 @@ type fakeTarget struct {
 	// what closing answers.
 	emptied, tried map[string]bool
 	closeErr       error
+	// probes are the addresses the node SNATs its connections to.
+	probes []netip.Addr
 }
 
 // resolve returns the path under which the namespace path names is kept.
@@ -294,6 +296,22 @@ func (f *fakeTarget) Namespaces(dir string) ([]inpod.Namespace, map[string]error
 	return found, nil
 }
 
+func (f *fakeTarget) WriteProbeSNAT(ips []netip.Addr) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.probes = slices.Clone(ips)
+	return nil
+}
+
+func (f *fakeTarget) CheckProbeSNAT(ips []netip.Addr) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !slices.Equal(f.probes, ips) {
+		return []string{inpod.GapProbesAltered}, nil
+	}
+	return nil, nil
+}
+
 func (f *fakeTarget) commands() map[string]script.Cmd {
 	return map[string]script.Cmd{
 		"netns/add": script.Command(
@@ -337,6 +355,29 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 		"netns/put-rules": f.pathCommand("the redirection is in PATH (left by an earlier agent)", func(path string) {
 			f.rules[path] = true
 		}),
+		"node/probe-snat": script.Command(
+			script.CmdUsage{Summary: "list the addresses the node SNATs its connections to (the kubelet's probes)"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				out := ""
+				for _, ip := range f.probes {
+					out += ip.String() + "\n"
+				}
+				return func(*script.State) (string, string, error) { return out, "", nil }, nil
+			}),
+		"node/put-probe-snat": script.Command(
+			script.CmdUsage{Summary: "the node SNATs its connections to the addresses (left by an earlier agent)", Args: "addr..."},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				addrs, err := parseAddrs(args)
+				if err != nil {
+					return nil, err
+				}
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				f.probes = addrs
+				return nil, nil
+			}),
 		"netns/rules":       f.listCommand("list the namespaces holding the redirection", f.rules),
 		"netns/emptied":     f.listCommand("list the namespaces whose connections were all closed", f.emptied),
 		"netns/close-tried": f.listCommand("list the namespaces whose connections closing was tried for", f.tried),

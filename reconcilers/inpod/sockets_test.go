@@ -60,7 +60,7 @@ func TestCloseConnections(t *testing.T) {
 	goneFromListener := steering.Conn{Local: netip.AddrPortFrom(netip.IPv6Loopback(), uint16(listener.Addr().(*net.TCPAddr).Port)),
 		Remote: netip.MustParseAddrPort("[::1]:2")}
 
-	closed, err := newNetlinkTarget().CloseConnections("/var/run/netns/"+ns.Name, []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.IPv6Loopback()},
+	closed, err := netlinkTarget{}.CloseConnections("/var/run/netns/"+ns.Name, []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.IPv6Loopback()},
 		[]steering.Conn{ends(v4), goneFromListener, ends(v6), gone, ends(bound)})
 	if err != nil || closed != 3 {
 		t.Fatalf("closed %d, %v; want the IPv4, the IPv6 and the bound connection", closed, err)
@@ -116,7 +116,7 @@ func TestCloseAll(t *testing.T) {
 		conns = append(conns, peer)
 	}
 	path := "/var/run/netns/" + ns.Name
-	target := newNetlinkTarget()
+	target := netlinkTarget{}
 	id, err := target.Identify(path)
 	must(t, err)
 	// An end aborted resets the other (loopback): gone before its turn,

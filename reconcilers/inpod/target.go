@@ -10,9 +10,11 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/google/nftables"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtlsbridge/mtlsbridge/nodenetns"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 	"github.com/mtlsbridge/mtlsbridge/zds"
 )
@@ -54,6 +56,13 @@ type Target interface {
 	// namespace are passed over; those that cannot be read are errors, by
 	// path (dir's own, cleaned, when it cannot be listed).
 	Namespaces(dir string) ([]Namespace, map[string]error)
+	// WriteProbeSNAT makes the node SNAT its own TCP connections to ips
+	// (the kubelet's probes) to the probe addresses; without ips, nothing
+	// of it stays on the node.
+	WriteProbeSNAT(ips []netip.Addr) error
+	// CheckProbeSNAT reads the node now and returns how it differs from
+	// what WriteProbeSNAT(ips) writes.
+	CheckProbeSNAT(ips []netip.Addr) ([]string, error)
 }
 
 // Namespace is a network namespace pinned in a folder: where, which, its
@@ -71,10 +80,11 @@ type Namespace struct {
 // place that keeps an identity beyond an operation).
 type NetnsID struct{ Dev, Ino uint64 }
 
-// netlinkTarget writes into the real namespaces.
-type netlinkTarget struct{}
+// netlinkTarget writes into the real namespaces: the pods', and the
+// node's.
+type netlinkTarget struct{ node *nodenetns.Namespace }
 
-func newNetlinkTarget() Target { return netlinkTarget{} }
+func newNetlinkTarget(node *nodenetns.Namespace) Target { return netlinkTarget{node} }
 
 func (netlinkTarget) Apply(r *Redirection) (NetnsID, error) {
 	var id NetnsID
@@ -204,6 +214,29 @@ func (netlinkTarget) Namespaces(dir string) ([]Namespace, map[string]error) {
 		}
 	}
 	return found, errs
+}
+
+func (t netlinkTarget) WriteProbeSNAT(ips []netip.Addr) error {
+	return t.node.Do(func() error {
+		// Its sockets are opened in the calling thread's namespace.
+		conn, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		return writeProbeSNAT(conn, ips)
+	})
+}
+
+func (t netlinkTarget) CheckProbeSNAT(ips []netip.Addr) (gaps []string, err error) {
+	err = t.node.Do(func() error {
+		conn, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		gaps, err = checkProbeSNAT(conn, ips)
+		return err
+	})
+	return gaps, err
 }
 
 // statNetns is the identity of what path names now; the error is stat's.

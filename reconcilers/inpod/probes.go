@@ -1,0 +1,270 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package inpod
+
+// The node's side of the in-pod mode: the kubelet's probes. The in-pod
+// rules let TCP from the probe addresses past ztunnel, so that a pod's
+// probes do not depend on ztunnel; the node makes its own connections to
+// those pods come from there (istio-cni's host rule, in nftables):
+//
+//	table inet mtlsbridge-probes
+//	  set pods-v4 { type ipv4_addr }, set pods-v6 { type ipv6_addr }: the in-pod pods' addresses
+//	  chain postrouting-nat (nat, postrouting, srcnat - 1):
+//	    tcp to @pods-v4, from a local address, by a socket of the node -> snat to 169.254.7.127
+//	    tcp to @pods-v6, from a local address, by a socket of the node -> snat to fd16:9254:7127:1337:ffff:ffff:ffff:ffff
+//
+// "By a socket of the node" (a socket of this namespace's user space, as
+// iptables' --socket-exists) leaves out what the node forwards; "from a
+// local address" also leaves out transparent sockets speaking for others
+// (an L7 proxy connecting in a client pod's name). One priority before
+// iptables' nat POSTROUTING: the first SNAT of a connection is the one
+// that holds, and istio-cni inserts its rule first too.
+
+import (
+	"context"
+	"fmt"
+	"iter"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"golang.org/x/sys/unix"
+
+	"github.com/mtlsbridge/mtlsbridge/reconcilers"
+	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
+)
+
+// ProbeTableName is the node's nftables table (family inet) of the probes'
+// SNAT.
+const ProbeTableName = "mtlsbridge-probes"
+
+const (
+	probeSetV4  = "pods-v4"
+	probeSetV6  = "pods-v6"
+	probesChain = "postrouting-nat"
+)
+
+// probeSets are the table's sets holding ips, by family.
+func probeSets(table *nftables.Table, ips []netip.Addr) []setSpec {
+	v4 := setSpec{set: &nftables.Set{Table: table, Name: probeSetV4, KeyType: nftables.TypeIPAddr}}
+	v6 := setSpec{set: &nftables.Set{Table: table, Name: probeSetV6, KeyType: nftables.TypeIP6Addr}}
+	for _, ip := range ips {
+		if ip = ip.Unmap(); ip.Is4() {
+			v4.elements = append(v4.elements, nftables.SetElement{Key: ip.AsSlice()})
+		} else {
+			v6.elements = append(v6.elements, nftables.SetElement{Key: ip.AsSlice()})
+		}
+	}
+	return []setSpec{v4, v6}
+}
+
+// probeRuleset is the table's chain, looking up the sets v4 and v6.
+func probeRuleset(v4, v6 *nftables.Set) []chainSpec {
+	// Before iptables' nat POSTROUTING (srcnat).
+	priority := nftables.ChainPriorityRef(*nftables.ChainPriorityNATSource - 1)
+	rule := func(family byte, daddrOffset, n uint32, set *nftables.Set, to netip.Addr) []expr.Any {
+		return slices.Concat(nfproto(family), tcp(), []expr.Any{
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: daddrOffset, Len: n},
+			&expr.Lookup{SourceRegister: 1, SetName: set.Name, SetID: set.ID},
+			// From an address of the node.
+			&expr.Fib{Register: 1, FlagSADDR: true, ResultADDRTYPE: true},
+			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: native32(unix.RTN_LOCAL)},
+			// By a socket of the node: the load fails for anything else.
+			&expr.Meta{Key: expr.MetaKeySKUID, Register: 1},
+			&expr.Cmp{Op: expr.CmpOpGte, Register: 1, Data: native32(0)},
+			&expr.Immediate{Register: 1, Data: to.AsSlice()},
+			// As the kernel reads it back: a range of one address.
+			&expr.NAT{Type: expr.NATTypeSourceNAT, Family: uint32(family), RegAddrMin: 1, RegAddrMax: 1},
+		})
+	}
+	return []chainSpec{{probesChain, nftables.ChainTypeNAT, nftables.ChainHookPostrouting, priority, [][]expr.Any{
+		rule(unix.NFPROTO_IPV4, 16, 4, v4, ProbeSNAT4),
+		rule(unix.NFPROTO_IPV6, 24, 16, v6, ProbeSNAT6),
+	}}}
+}
+
+// writeProbeSNAT makes the node's table SNAT its connections to ips, in
+// one transaction; without ips, the table goes.
+func writeProbeSNAT(conn *nftables.Conn, ips []netip.Addr) error {
+	table := &nftables.Table{Name: ProbeTableName, Family: nftables.TableFamilyINet}
+	if len(ips) == 0 {
+		exists, err := tableExists(conn, ProbeTableName)
+		if err != nil || !exists {
+			return err
+		}
+		conn.DelTable(table)
+		return conn.Flush()
+	}
+	sets := probeSets(table, ips)
+	return replaceTable(conn, table, sets, func() []chainSpec { return probeRuleset(sets[0].set, sets[1].set) })
+}
+
+// Gaps of the node's probe table (prefixes of what checkProbeSNAT says).
+const (
+	GapProbesMissing  = "probe SNAT table missing"
+	GapProbesAltered  = "probe SNAT table altered"
+	GapProbesLeftover = "probe SNAT table present, no pod to SNAT for"
+)
+
+// checkProbeSNAT tells how the node's table differs from what
+// writeProbeSNAT(ips) writes; nothing when it is in place.
+func checkProbeSNAT(conn *nftables.Conn, ips []netip.Addr) ([]string, error) {
+	exists, err := tableExists(conn, ProbeTableName)
+	switch {
+	case err != nil:
+		return nil, err
+	case len(ips) == 0 && exists:
+		return []string{GapProbesLeftover}, nil
+	case len(ips) == 0:
+		return nil, nil
+	case !exists:
+		return []string{GapProbesMissing}, nil
+	}
+	table := &nftables.Table{Name: ProbeTableName, Family: nftables.TableFamilyINet}
+	want := probeSets(table, ips)
+	// Read back, a lookup names its set without the ID of the transaction
+	// that made it.
+	diffs := diffTable(conn, table, probeRuleset(want[0].set, want[1].set))
+	for _, s := range want {
+		have, err := conn.GetSetByName(table, s.set.Name)
+		if err != nil {
+			diffs = append(diffs, fmt.Sprintf("set %s: %v", s.set.Name, err))
+			continue
+		}
+		elements, err := conn.GetSetElements(have)
+		if err != nil {
+			diffs = append(diffs, fmt.Sprintf("set %s: %v", s.set.Name, err))
+			continue
+		}
+		if !sameElements(elements, s.elements) {
+			diffs = append(diffs, fmt.Sprintf("set %s holds %s, want %s", s.set.Name, elementsString(elements), elementsString(s.elements)))
+		}
+	}
+	gaps := make([]string, len(diffs))
+	for i, d := range diffs {
+		gaps[i] = GapProbesAltered + ": " + d
+	}
+	return gaps, nil
+}
+
+func sameElements(a, b []nftables.SetElement) bool {
+	keys := func(es []nftables.SetElement) []string {
+		out := make([]string, len(es))
+		for i, e := range es {
+			out[i] = string(e.Key)
+		}
+		slices.Sort(out)
+		return out
+	}
+	return slices.Equal(keys(a), keys(b))
+}
+
+func elementsString(es []nftables.SetElement) string {
+	out := make([]string, 0, len(es))
+	for _, e := range es {
+		if ip, ok := netip.AddrFromSlice(e.Key); ok {
+			out = append(out, ip.String())
+		}
+	}
+	slices.Sort(out)
+	return fmt.Sprint(out)
+}
+
+type probeSNATParams struct {
+	cell.In
+
+	Mode         steering.Config `optional:"true"`
+	Config       Config
+	Log          *slog.Logger
+	DB           *statedb.DB
+	Jobs         job.Group
+	Redirections statedb.Table[*Redirection]
+	Target       Target
+}
+
+// Checked again this often: someone may flush the node's table (istio#60607).
+const probeCheckInterval = 30 * time.Second
+
+// registerProbeSNAT keeps the node's table holding the addresses of every
+// pod redirected in its namespace. In the l2 mode, or with --probe-snat=false,
+// a table an earlier agent left goes, once.
+func registerProbeSNAT(p probeSNATParams) {
+	if p.Mode.Mode() != steering.ModeInPod || !p.Config.ProbeSNAT {
+		p.Jobs.Add(job.OneShot("probe-snat", p.removeLeftover))
+		return
+	}
+	p.Jobs.Add(job.OneShot("probe-snat", p.run))
+}
+
+func (p probeSNATParams) removeLeftover(ctx context.Context, health cell.Health) error {
+	// Best effort: this mode may lack the in-pod mode's NET_ADMIN.
+	if err := p.Target.WriteProbeSNAT(nil); err != nil {
+		p.Log.Info("A probe SNAT table the in-pod mode may have left on the node could not be removed", "table", ProbeTableName, "error", err)
+		health.OK("off; a table left by the in-pod mode could not be removed: " + err.Error())
+		return nil
+	}
+	health.OK("off: none on the node")
+	return nil
+}
+
+func (p probeSNATParams) run(ctx context.Context, health cell.Health) error {
+	// An empty table before the derivation ran would remove the SNAT of
+	// pods that keep their redirection across a restart.
+	if !reconcilers.WaitInitialized(ctx, health, p.DB, p.Redirections) {
+		return nil
+	}
+	var inPlace []netip.Addr // last seen in place
+	retry := time.Second
+	tick := time.NewTicker(probeCheckInterval)
+	defer tick.Stop()
+	for {
+		rows, watch := p.Redirections.AllWatch(p.DB.ReadTxn())
+		ips := probeAddrs(rows)
+		var again <-chan time.Time
+		if err := p.sync(ips, inPlace); err != nil {
+			p.Log.Error("SNAT of the kubelet's probes not written on the node", "error", err)
+			health.Degraded("probe SNAT not written", err)
+			inPlace = nil
+			again = time.After(retry)
+			retry = min(2*retry, probeCheckInterval)
+		} else {
+			inPlace, retry = ips, time.Second
+			health.OK(fmt.Sprintf("the node's connections to %d pod addresses SNATed to %s / %s", len(ips), ProbeSNAT4, ProbeSNAT6))
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-watch:
+		case <-tick.C:
+		case <-again:
+		}
+	}
+}
+
+// sync reads the node's table and writes it if it differs from ips.
+func (p probeSNATParams) sync(ips, inPlace []netip.Addr) error {
+	gaps, err := p.Target.CheckProbeSNAT(ips)
+	if err != nil || len(gaps) == 0 {
+		return err
+	}
+	if inPlace != nil && slices.Equal(ips, inPlace) {
+		p.Log.Warn("SNAT of the kubelet's probes altered on the node, written again", "gaps", gaps)
+	}
+	return p.Target.WriteProbeSNAT(ips)
+}
+
+// probeAddrs are the addresses of the rows, sorted, once each.
+func probeAddrs(rows iter.Seq2[*Redirection, statedb.Revision]) []netip.Addr {
+	var ips []netip.Addr
+	for r := range rows {
+		ips = append(ips, r.IPs...)
+	}
+	slices.SortFunc(ips, netip.Addr.Compare)
+	return slices.Compact(ips)
+}

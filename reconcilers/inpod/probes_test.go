@@ -1,0 +1,81 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package inpod
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/google/nftables"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
+)
+
+// TestProbeSNAT writes the node's SNAT of probes into a real node and
+// sends real TCP through it: the pod has the in-pod redirection and no
+// ztunnel listener, so a connection reaches the pod's port only past the
+// redirection. The node's own connections to it do, from the probe
+// address; a pod's, which the node forwards, do not (refused, fail
+// closed); the node's connections to a pod not in the set keep their
+// source. Then the table is altered, written again, and removed.
+func TestProbeSNAT(t *testing.T) {
+	netnstest.RequirePrivileged(t)
+	node, _ := netnstest.NewNodes(t)
+	a := node.AddPod(t, "a")
+	b := node.AddPod(t, "b")
+	plain := node.AddPod(t, "plain")
+	for _, p := range []*netnstest.Pod{a, plain} {
+		p.Serve(t, p.Name, 8080, false, p.IP4, p.IP6)
+	}
+	must(t, applyRules(a.Handle, families{v4: true, v6: true}))
+	conn, err := nftables.New(nftables.WithNetNSFd(int(node.Handle)))
+	must(t, err)
+	ips := []netip.Addr{a.IP4, a.IP6}
+	must(t, writeProbeSNAT(conn, ips))
+	// Writing again (an agent restart) replaces, never duplicates.
+	must(t, writeProbeSNAT(conn, ips))
+	if gaps, err := checkProbeSNAT(conn, ips); err != nil || len(gaps) > 0 {
+		t.Fatalf("right after writing: %v %v", gaps, err)
+	}
+
+	for i, probe := range []netip.Addr{ProbeSNAT4, ProbeSNAT6} {
+		dst := netip.AddrPortFrom(ips[i], 8080)
+		if got, err := node.Ask(dst); err != nil || got.Server != "a" || got.Remote.Addr() != probe {
+			t.Errorf("node -> %s: %v %v, want a, from %s", dst, got, err, probe)
+		}
+		if got, err := b.Ask(dst); err == nil {
+			t.Errorf("b -> %s through the node: %v, want refused (no ztunnel listener)", dst, got)
+		}
+		plainDst := netip.AddrPortFrom([]netip.Addr{plain.IP4, plain.IP6}[i], 8080)
+		if got, err := node.Ask(plainDst); err != nil || got.Remote.Addr() == probe {
+			t.Errorf("node -> %s (not in the set): %v %v, want the node's own source", plainDst, got, err)
+		}
+	}
+
+	// A set emptied by hand is seen and written again.
+	set, err := conn.GetSetByName(&nftables.Table{Name: ProbeTableName, Family: nftables.TableFamilyINet}, probeSetV4)
+	must(t, err)
+	must(t, conn.SetDeleteElements(set, []nftables.SetElement{{Key: a.IP4.AsSlice()}}))
+	must(t, conn.Flush())
+	gaps, err := checkProbeSNAT(conn, ips)
+	if err != nil || len(gaps) != 1 || !strings.HasPrefix(gaps[0], GapProbesAltered+": set "+probeSetV4) {
+		t.Errorf("after deleting an element: %q %v, want the v4 set altered", gaps, err)
+	}
+	if got, err := node.Ask(netip.AddrPortFrom(a.IP4, 8080)); err == nil {
+		t.Errorf("node -> a without its element: %v, want refused", got)
+	}
+	must(t, writeProbeSNAT(conn, ips))
+	if got, err := node.Ask(netip.AddrPortFrom(a.IP4, 8080)); err != nil || got.Remote.Addr() != ProbeSNAT4 {
+		t.Errorf("node -> a written again: %v %v", got, err)
+	}
+
+	// No pod left: the table goes.
+	must(t, writeProbeSNAT(conn, nil))
+	if exists, err := tableExists(conn, ProbeTableName); err != nil || exists {
+		t.Errorf("without pods the table exists: %v %v", exists, err)
+	}
+	if gaps, err := checkProbeSNAT(conn, nil); err != nil || len(gaps) > 0 {
+		t.Errorf("removed: %v %v", gaps, err)
+	}
+}
