@@ -188,7 +188,7 @@ type probeSNATParams struct {
 	Target       Target
 }
 
-// Checked again this often: someone may flush the node's table (istio#60607).
+// Checked again this often: someone may flush the node's table (Istio #60607).
 const probeCheckInterval = 30 * time.Second
 
 // registerProbeSNAT keeps the node's table holding the addresses of every

@@ -3,11 +3,14 @@
 package inpod
 
 import (
+	"net"
 	"net/netip"
 	"strings"
 	"testing"
 
 	"github.com/google/nftables"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/mtlsbridge/mtlsbridge/internal/netnstest"
 )
@@ -16,9 +19,10 @@ import (
 // sends real TCP through it: the pod has the in-pod redirection and no
 // ztunnel listener, so a connection reaches the pod's port only past the
 // redirection. The node's own connections to it do, from the probe
-// address; a pod's, which the node forwards, do not (refused, fail
-// closed); the node's connections to a pod not in the set keep their
-// source. Then the table is altered, written again, and removed.
+// address; a pod's, which the node forwards, and a transparent socket's of
+// the node in another's name, do not (refused, fail closed); the node's
+// connections to a pod not in the set keep their source. Then the table is
+// altered, written again, and removed.
 func TestProbeSNAT(t *testing.T) {
 	netnstest.RequirePrivileged(t)
 	node, _ := netnstest.NewNodes(t)
@@ -53,6 +57,20 @@ func TestProbeSNAT(t *testing.T) {
 		}
 	}
 
+	// A transparent socket of the node speaking for b (as an L7 proxy
+	// connects in a client's name) has no local source: not SNATed, a's
+	// redirection takes it (refused). What a sends to b's address is
+	// delivered to the node, as a transparent proxy routes it, so that a
+	// wrong SNAT would show as an answer.
+	nl := node.Netlink(t)
+	toB := netlink.NewRule()
+	toB.Dst, toB.IifName, toB.Table, toB.Priority = hostPrefix(b.IP4), a.HostIf, 200, 100
+	must(t, nl.RuleAdd(toB))
+	must(t, nl.RouteAdd(&netlink.Route{Dst: hostPrefix(b.IP4), LinkIndex: 1, Table: 200, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST}))
+	if got, err := node.AskFrom(netip.AddrPortFrom(b.IP4, 0), netip.AddrPortFrom(a.IP4, 8080)); err == nil {
+		t.Errorf("node as b -> a (transparent): %v, want refused (not SNATed)", got)
+	}
+
 	// A set emptied by hand is seen and written again.
 	set, err := conn.GetSetByName(&nftables.Table{Name: ProbeTableName, Family: nftables.TableFamilyINet}, probeSetV4)
 	must(t, err)
@@ -78,4 +96,8 @@ func TestProbeSNAT(t *testing.T) {
 	if gaps, err := checkProbeSNAT(conn, nil); err != nil || len(gaps) > 0 {
 		t.Errorf("removed: %v %v", gaps, err)
 	}
+}
+
+func hostPrefix(ip netip.Addr) *net.IPNet {
+	return &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(ip.BitLen(), ip.BitLen())}
 }
