@@ -271,6 +271,10 @@ func (n *bedNode) startAgent() {
 			// agent forget them.
 			"--netns-search-min-age=1s")
 	}
+	// The kubelet's probes need no ztunnel; the nodes route in the
+	// kernel's stack, as Cilium's legacy host routing does. Given in l2
+	// too, so that a node switched back removes the table.
+	args = append(args, "--probe-snat")
 	n.agent = n.bed.start(n.ns.Name, filepath.Join(n.stateDir, "agent.log"), os.Environ(), args...)
 }
 

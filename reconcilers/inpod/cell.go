@@ -62,8 +62,11 @@ var Core = cell.Group(
 	cell.ProvidePrivate(newReconciler),
 	cell.Invoke(func(reconciler.Reconciler[*Redirection]) {}),
 	// The node's own connections to those pods (the kubelet's probes)
-	// SNATed to the address their redirection lets past ztunnel.
-	cell.Invoke(registerProbeSNAT),
+	// SNATed to the address their redirection lets past ztunnel; a
+	// readiness warning while they are not.
+	cell.ProvidePrivate(newProbeSNAT),
+	cell.Provide((*probeSNAT).readinessCheck),
+	cell.Invoke(func(*probeSNAT) {}),
 	// inpod/prune: prune now (tests, and after repairs by hand).
 	cell.Provide(scriptCommands),
 	// ztunnel told of the pods over ZDS, in the inpod mode only.
@@ -90,7 +93,9 @@ type Config struct {
 	// ProbeSNAT makes the node's own connections to pods redirected in
 	// their namespace (the kubelet's probes) come from the probe
 	// addresses, which the redirection lets past ztunnel (flag
-	// --probe-snat).
+	// --probe-snat). Off by default: it needs Cilium's legacy host
+	// routing, and a policy admitting those addresses where ingress
+	// policies apply (Cilium counts them as the world, not the host).
 	ProbeSNAT bool
 }
 
@@ -100,7 +105,7 @@ const DefaultZDSSocket = "/var/run/ztunnel/ztunnel.sock"
 // DefaultNetnsDir is where containerd and CRI-O pin pods' namespaces.
 const DefaultNetnsDir = "/var/run/netns"
 
-var defaultConfig = Config{ZDSSocket: DefaultZDSSocket, NetnsDir: DefaultNetnsDir, NetnsSearchMinAge: 5 * time.Minute, ProbeSNAT: true}
+var defaultConfig = Config{ZDSSocket: DefaultZDSSocket, NetnsDir: DefaultNetnsDir, NetnsSearchMinAge: 5 * time.Minute}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(flags *pflag.FlagSet) {
@@ -111,5 +116,5 @@ func (def Config) Flags(flags *pflag.FlagSet) {
 	flags.Duration("netns-search-min-age", def.NetnsSearchMinAge,
 		"--redirect-mode=inpod: how long before this boot's first agent start a namespace must have existed to be searched (longer than a CNI ADD takes)")
 	flags.Bool("probe-snat", def.ProbeSNAT,
-		"--redirect-mode=inpod: SNAT the node's own TCP connections to pods redirected in their namespace (the kubelet's probes) to 169.254.7.127 and fd16:9254:7127:1337:ffff:ffff:ffff:ffff, which the redirection lets past ztunnel (nftables table inet mtlsbridge-probes on the node)")
+		"--redirect-mode=inpod: SNAT the node's own TCP connections to pods redirected in their namespace (the kubelet's probes) to 169.254.7.127 and fd16:9254:7127:1337:ffff:ffff:ffff:ffff, which the redirection lets past ztunnel, so that probes do not need ztunnel (nftables table inet mtlsbridge-probes on the node); needs Cilium's legacy host routing, and deploy/optional/mtlsbridge-probe-snat-ingress.yaml under ingress policies")
 }

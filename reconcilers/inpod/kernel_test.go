@@ -63,7 +63,7 @@ func TestKernel(t *testing.T) {
 	socket := startZtunnel(t)
 
 	// The agent in the in-pod mode.
-	ag := startAgent(t, n1, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket)
+	ag := startAgent(t, n1, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket, "--probe-snat")
 	ag.waitSteered(t, "app/a", a.IP4, a.IP6)
 	expectRules(t, a, "in place")
 	for _, dst := range []netip.Addr{r.IP4, r.IP6} {
@@ -73,7 +73,7 @@ func TestKernel(t *testing.T) {
 	}
 	// The node's own connections (the kubelet's probes) reach a itself,
 	// from the probe address, not ztunnel's plain inbound listener.
-	expectProbes(t, n1, a, "the in-pod mode", true)
+	expectProbes(t, n1, a, "the in-pod mode")
 
 	// Restart: the redirection stays while no agent runs, and the new
 	// agent takes it over; ztunnel gets a snapshot again.
@@ -82,10 +82,11 @@ func TestKernel(t *testing.T) {
 	if got, err := a.Ask(netip.AddrPortFrom(r.IP4, 8080)); err != nil || got.Server != "ztunnel-a-1" {
 		t.Errorf("while no agent runs, a -> r: %v %v, want ztunnel", got, err)
 	}
-	expectProbes(t, n1, a, "no agent", true)
-	ag = startAgent(t, n1, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket)
+	expectProbes(t, n1, a, "no agent")
+	ag = startAgent(t, n1, manifests, report, "--redirect-mode=inpod", "--zds-socket="+socket, "--probe-snat")
 	ag.waitSteered(t, "app/a", a.IP4, a.IP6)
 	expectRules(t, a, "in place")
+	expectProbes(t, n1, a, "the agent restarted")
 	ag.stop(t)
 
 	// The mode turned off: nothing of it stays in the pod.
@@ -105,23 +106,22 @@ func TestKernel(t *testing.T) {
 	if got, err := a.Ask(netip.AddrPortFrom(r.IP4, 8080)); err != nil || got.Server != "r" {
 		t.Errorf("after the in-pod mode, a -> r: %v %v, want r directly", got, err)
 	}
-	expectProbes(t, n1, a, "the l2 mode", false)
 }
 
 // expectProbes waits until the node's connections to p reach p itself,
-// from the probe addresses when snat, else from the node's own.
-func expectProbes(t *testing.T, node *netnstest.Node, p *netnstest.Pod, when string, snat bool) {
+// from the probe addresses.
+func expectProbes(t *testing.T, node *netnstest.Node, p *netnstest.Pod, when string) {
 	t.Helper()
 	deadline := time.Now().Add(waitTimeout)
 	for i, probe := range []netip.Addr{inpod.ProbeSNAT4, inpod.ProbeSNAT6} {
 		dst := netip.AddrPortFrom([]netip.Addr{p.IP4, p.IP6}[i], 8080)
 		for {
 			got, err := node.Ask(dst)
-			if err == nil && got.Server == p.Name && (got.Remote.Addr() == probe) == snat {
+			if err == nil && got.Server == p.Name && got.Remote.Addr() == probe {
 				break
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("%s: node -> %s: %v %v, want %s, SNATed to the probe address: %v", when, dst, got, err, p.Name, snat)
+				t.Fatalf("%s: node -> %s: %v %v, want %s from %s", when, dst, got, err, p.Name, probe)
 			}
 			time.Sleep(50 * time.Millisecond)
 		}

@@ -13,10 +13,11 @@ package inpod
 //	    tcp to @pods-v4, from a local address, by a socket of the node -> snat to 169.254.7.127
 //	    tcp to @pods-v6, from a local address, by a socket of the node -> snat to fd16:9254:7127:1337:ffff:ffff:ffff:ffff
 //
-// "By a socket of the node" (a socket of this namespace's user space, as
-// iptables' --socket-exists) leaves out what the node forwards; "from a
-// local address" also leaves out transparent sockets speaking for others
-// (an L7 proxy connecting in a client pod's name). One priority before
+// "From a local address" leaves out what the node forwards from pods and
+// transparent sockets speaking for others (an L7 proxy connecting in a
+// client pod's name); "by a socket of the node" (a user-space socket of
+// this namespace, as iptables' --socket-exists in istio-cni) also leaves
+// out forwarded packets that carry a node's address. One priority before
 // iptables' nat POSTROUTING: the first SNAT of a connection is the one
 // that holds, and istio-cni inserts its rule first too.
 
@@ -27,6 +28,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -36,6 +38,7 @@ import (
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtlsbridge/mtlsbridge/api"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/steering"
 )
@@ -107,9 +110,9 @@ func writeProbeSNAT(conn *nftables.Conn, ips []netip.Addr) error {
 
 // Gaps of the node's probe table (prefixes of what checkProbeSNAT says).
 const (
-	GapProbesMissing  = "probe SNAT table missing"
+	gapProbesMissing  = "probe SNAT table missing"
 	GapProbesAltered  = "probe SNAT table altered"
-	GapProbesLeftover = "probe SNAT table present, no pod to SNAT for"
+	gapProbesLeftover = "probe SNAT table present, no pod to SNAT for"
 )
 
 // checkProbeSNAT tells how the node's table differs from what
@@ -120,11 +123,11 @@ func checkProbeSNAT(conn *nftables.Conn, ips []netip.Addr) ([]string, error) {
 	case err != nil:
 		return nil, err
 	case len(ips) == 0 && exists:
-		return []string{GapProbesLeftover}, nil
+		return []string{gapProbesLeftover}, nil
 	case len(ips) == 0:
 		return nil, nil
 	case !exists:
-		return []string{GapProbesMissing}, nil
+		return []string{gapProbesMissing}, nil
 	}
 	table := &nftables.Table{Name: ProbeTableName, Family: nftables.TableFamilyINet}
 	want := probeSets(table, ips)
@@ -191,51 +194,103 @@ type probeSNATParams struct {
 // Checked again this often: someone may flush the node's table (Istio #60607).
 const probeCheckInterval = 30 * time.Second
 
-// registerProbeSNAT keeps the node's table holding the addresses of every
-// pod redirected in its namespace. In the l2 mode, or with --probe-snat=false,
-// a table an earlier agent left goes, once.
-func registerProbeSNAT(p probeSNATParams) {
-	if p.Mode.Mode() != steering.ModeInPod || !p.Config.ProbeSNAT {
-		p.Jobs.Add(job.OneShot("probe-snat", p.removeLeftover))
-		return
-	}
-	p.Jobs.Add(job.OneShot("probe-snat", p.run))
+// probeSNAT keeps the node's table holding the addresses of every pod
+// whose redirection is written or being written, in the in-pod mode with
+// --probe-snat; in the l2 mode with --probe-snat, a table an earlier agent
+// left goes at start. Without --probe-snat it touches nothing on the node
+// (tests' agents run in the host's namespace).
+type probeSNAT struct {
+	p probeSNATParams
+	// problem is why the node's connections are not SNATed now, for
+	// /healthz; nil when they are.
+	problem atomic.Pointer[error]
 }
 
-func (p probeSNATParams) removeLeftover(ctx context.Context, health cell.Health) error {
-	// Best effort: this mode may lack the in-pod mode's NET_ADMIN.
-	if err := p.Target.WriteProbeSNAT(nil); err != nil {
-		p.Log.Info("A probe SNAT table the in-pod mode may have left on the node could not be removed", "table", ProbeTableName, "error", err)
-		health.OK("off; a table left by the in-pod mode could not be removed: " + err.Error())
+func newProbeSNAT(p probeSNATParams) *probeSNAT {
+	s := &probeSNAT{p: p}
+	switch {
+	case !p.Config.ProbeSNAT:
+	case p.Mode.Mode() == steering.ModeInPod:
+		p.Jobs.Add(job.OneShot("probe-snat", s.run))
+	default:
+		p.Jobs.Add(job.OneShot("probe-snat", s.removeLeftover))
+	}
+	return s
+}
+
+// readinessCheck is a /healthz warning while the node's connections to
+// in-pod pods are not SNATed as asked.
+func (s *probeSNAT) readinessCheck() api.CheckOut {
+	return api.CheckOut{Check: api.Check{Name: "probe-snat", Warning: true, Err: func() error {
+		if err := s.problem.Load(); err != nil {
+			return *err
+		}
+		return nil
+	}}}
+}
+
+func (s *probeSNAT) removeLeftover(ctx context.Context, health cell.Health) error {
+	if err := s.p.Target.WriteProbeSNAT(nil); err != nil {
+		err = fmt.Errorf("a probe SNAT table the in-pod mode left on the node is not removed: %w", err)
+		s.problem.Store(&err)
+		s.p.Log.Error("Probe SNAT", "error", err)
+		health.Degraded("probe SNAT left", err)
 		return nil
 	}
-	health.OK("off: none on the node")
+	health.OK("inactive (--redirect-mode=" + s.p.Mode.Mode() + "): none on the node")
 	return nil
 }
 
-func (p probeSNATParams) run(ctx context.Context, health cell.Health) error {
+func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 	// An empty table before the derivation ran would remove the SNAT of
 	// pods that keep their redirection across a restart.
-	if !reconcilers.WaitInitialized(ctx, health, p.DB, p.Redirections) {
+	if !reconcilers.WaitInitialized(ctx, health, s.p.DB, s.p.Redirections) {
 		return nil
 	}
+	// Under BPF host routing a pod's reply to the probe address leaves by
+	// the uplink, past the node's connection tracking: every probe would
+	// fail. Read once: Cilium's agent restarts to change it.
+	var routing error
+	if dir := s.p.Mode.CiliumConfigDir; dir != "" {
+		routing = steering.HostLegacyRouting(dir)
+	}
 	var inPlace []netip.Addr // last seen in place
+	var logged string
 	retry := time.Second
 	tick := time.NewTicker(probeCheckInterval)
 	defer tick.Stop()
 	for {
-		rows, watch := p.Redirections.AllWatch(p.DB.ReadTxn())
+		rows, watch := s.p.Redirections.AllWatch(s.p.DB.ReadTxn())
 		ips := probeAddrs(rows)
+		if routing != nil {
+			ips = nil
+		}
 		var again <-chan time.Time
-		if err := p.sync(ips, inPlace); err != nil {
-			p.Log.Error("SNAT of the kubelet's probes not written on the node", "error", err)
+		err := s.sync(ips, inPlace)
+		switch {
+		case err != nil:
+			err = fmt.Errorf("the SNAT of the kubelet's probes is not written on the node: %w", err)
 			health.Degraded("probe SNAT not written", err)
 			inPlace = nil
 			again = time.After(retry)
 			retry = min(2*retry, probeCheckInterval)
-		} else {
+		case routing != nil:
+			err = fmt.Errorf("the kubelet's probes are not SNATed (--probe-snat): %w", routing)
+			health.Degraded("probe SNAT refused", err)
+		default:
 			inPlace, retry = ips, time.Second
 			health.OK(fmt.Sprintf("the node's connections to %d pod addresses SNATed to %s / %s", len(ips), ProbeSNAT4, ProbeSNAT6))
+		}
+		if err != nil {
+			s.problem.Store(&err)
+			// Once per cause: a failure that lasts is retried quietly.
+			if err.Error() != logged {
+				s.p.Log.Error("Probe SNAT", "error", err)
+				logged = err.Error()
+			}
+		} else {
+			s.problem.Store(nil)
+			logged = ""
 		}
 		select {
 		case <-ctx.Done():
@@ -248,22 +303,26 @@ func (p probeSNATParams) run(ctx context.Context, health cell.Health) error {
 }
 
 // sync reads the node's table and writes it if it differs from ips.
-func (p probeSNATParams) sync(ips, inPlace []netip.Addr) error {
-	gaps, err := p.Target.CheckProbeSNAT(ips)
+func (s *probeSNAT) sync(ips, inPlace []netip.Addr) error {
+	gaps, err := s.p.Target.CheckProbeSNAT(ips)
 	if err != nil || len(gaps) == 0 {
 		return err
 	}
 	if inPlace != nil && slices.Equal(ips, inPlace) {
-		p.Log.Warn("SNAT of the kubelet's probes altered on the node, written again", "gaps", gaps)
+		s.p.Log.Warn("SNAT of the kubelet's probes altered on the node, written again", "gaps", gaps)
 	}
-	return p.Target.WriteProbeSNAT(ips)
+	return s.p.Target.WriteProbeSNAT(ips)
 }
 
-// probeAddrs are the addresses of the rows, sorted, once each.
+// probeAddrs are the addresses of the pods whose redirection is written or
+// being written (not of those whose namespace is unknown), sorted, once
+// each.
 func probeAddrs(rows iter.Seq2[*Redirection, statedb.Revision]) []netip.Addr {
 	var ips []netip.Addr
 	for r := range rows {
-		ips = append(ips, r.IPs...)
+		if r.Problem == "" {
+			ips = append(ips, r.IPs...)
+		}
 	}
 	slices.SortFunc(ips, netip.Addr.Compare)
 	return slices.Compact(ips)

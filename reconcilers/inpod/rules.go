@@ -243,7 +243,7 @@ func applyRules(h netns.NsHandle, fam families) error {
 		return err
 	}
 	table := &nftables.Table{Name: NFTTableName, Family: nftables.TableFamilyINet}
-	if err := replaceTable(conn, table, nil, func() []chainSpec { return ruleset() }); err != nil {
+	if err := replaceTable(conn, table, nil, ruleset); err != nil {
 		return fmt.Errorf("nftables: %w", err)
 	}
 	return routing(h, fam, true)

@@ -136,7 +136,7 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 			return func(*script.State) (string, string, error) { return b.String(), "", nil }, nil
 		})
 	engine := manifesttest.NewEngine(t, h, t.TempDir(), append([]string{"--node-name=node-a",
-		"--redirect-mode=inpod", "--zds-socket=" + socket}, args...), cmds)
+		"--redirect-mode=inpod", "--zds-socket=" + socket, "--probe-snat"}, args...), cmds)
 	// Before the hive stops (cleanups run last first).
 	t.Cleanup(zt.stopAll)
 	return engine
@@ -365,18 +365,6 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 					out += ip.String() + "\n"
 				}
 				return func(*script.State) (string, string, error) { return out, "", nil }, nil
-			}),
-		"node/put-probe-snat": script.Command(
-			script.CmdUsage{Summary: "the node SNATs its connections to the addresses (left by an earlier agent)", Args: "addr..."},
-			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				addrs, err := parseAddrs(args)
-				if err != nil {
-					return nil, err
-				}
-				f.mu.Lock()
-				defer f.mu.Unlock()
-				f.probes = addrs
-				return nil, nil
 			}),
 		"netns/rules":       f.listCommand("list the namespaces holding the redirection", f.rules),
 		"netns/emptied":     f.listCommand("list the namespaces whose connections were all closed", f.emptied),
