@@ -105,6 +105,7 @@ type cluster struct {
 	admin    kubernetes.Interface
 	node     *netnstest.Node
 	proxyPod *corev1.Pod // the mTLS agent's pod in the API
+	web      *netnstest.Pod
 	role     *rbacv1.ClusterRole
 	bin      string // folder with mtlsbridge and mtlsbridge-cni
 	// The sidecar as Cilium's chart renders it with the shipped values.
@@ -142,6 +143,7 @@ func newCluster(t *testing.T) *cluster {
 	proxy := nodeA.AddPod(t, "proxy")
 	proxy.MakeAgent(t)
 	web := nodeA.AddPod(t, "web")
+	c.web = web
 
 	c.srv = kubetest.StartServer(t, kubetest.Options{AuditPolicy: auditPolicy})
 	kubetest.ApplyCiliumCRDs(t, c.srv.Config)
@@ -373,7 +375,7 @@ type agentRun struct {
 // capabilities its securityContext adds and no others, in the node's
 // namespace. Only paths and the check interval differ from a cluster's:
 // the test's folders and its bpffs folder.
-func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []string) *agentRun {
+func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []string, flags ...string) *agentRun {
 	t.Helper()
 	args := []string{filepath.Join(c.bin, "mtlsbridge")}
 	for _, a := range overridden(t, "the sidecar", c.sidecar.Args, map[string]string{
@@ -387,7 +389,7 @@ func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []s
 		args = append(args, strings.ReplaceAll(a, "$(HOST_IP)", "127.0.0.1"))
 	}
 	args = append(args, "--kubeconfig="+c.kubecfg, "--bypass-check-interval=1s")
-	r := c.runInNode(t, "agent", args, caps, nil)
+	r := c.runInNode(t, "agent", append(args, flags...), caps, nil)
 	r.stateDir, r.cniConf, r.cniBin = stateDir, cniConf, cniBin
 	return r
 }
@@ -500,9 +502,9 @@ func waitFor(t *testing.T, r *agentRun, what string, cond func() error) {
 }
 
 // freshRun starts the agent with its own state and CNI folders (a CNI
-// folder as Cilium leaves it with the shipped ConfigMap) and the given
-// capabilities.
-func (c *cluster) freshRun(t *testing.T, caps []string) *agentRun {
+// folder as Cilium leaves it with the shipped ConfigMap), the given
+// capabilities, and flags added to the sidecar's.
+func (c *cluster) freshRun(t *testing.T, caps []string, flags ...string) *agentRun {
 	t.Helper()
 	stateDir, err := os.MkdirTemp("", "mtlsb-") // short: UNIX socket paths
 	must(t, err)
@@ -510,7 +512,7 @@ func (c *cluster) freshRun(t *testing.T, caps []string) *agentRun {
 	cniConf, cniBin := t.TempDir(), t.TempDir()
 	must(t, os.WriteFile(filepath.Join(cniConf, "05-cilium.conflist"), []byte(shippedConflist(t, stateDir)), 0o600))
 	c.bpfRoot = filepath.Join(netnstest.BPFRoot(t), "mtlsbridge")
-	return c.start(t, stateDir, cniConf, cniBin, caps)
+	return c.start(t, stateDir, cniConf, cniBin, caps, flags...)
 }
 
 // shippedConflist is the ConfigMap's conflist for an agent whose state
