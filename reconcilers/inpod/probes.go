@@ -254,7 +254,8 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 	if dir := s.p.Mode.CiliumConfigDir; dir != "" {
 		routing = steering.HostLegacyRouting(dir)
 	}
-	var inPlace []netip.Addr // last seen in place
+	var inPlace []netip.Addr // what the node held at the last check, if known
+	known, recheck := false, true
 	var logged string
 	retry := time.Second
 	tick := time.NewTicker(probeCheckInterval)
@@ -266,49 +267,64 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 			ips = nil
 		}
 		var again <-chan time.Time
-		err := s.sync(ips, inPlace)
-		switch {
-		case err != nil:
-			err = fmt.Errorf("the SNAT of the kubelet's probes is not written on the node: %w", err)
-			health.Degraded("probe SNAT not written", err)
-			inPlace = nil
-			again = time.After(retry)
-			retry = min(2*retry, probeCheckInterval)
-		case routing != nil:
-			err = fmt.Errorf("the kubelet's probes are not SNATed (--probe-snat): %w", routing)
-			health.Degraded("probe SNAT refused", err)
-		default:
-			inPlace, retry = ips, time.Second
-			health.OK(fmt.Sprintf("the node's connections to %d pod addresses SNATed to %s / %s", len(ips), ProbeSNAT4, ProbeSNAT6))
-		}
-		if err != nil {
-			s.problem.Store(&err)
-			// Once per cause: a failure that lasts is retried quietly.
-			if err.Error() != logged {
-				s.p.Log.Error("Probe SNAT", "error", err)
-				logged = err.Error()
+		// Rows change with every status update; the node is read again
+		// when their addresses change, and periodically.
+		if recheck || !known || !slices.Equal(ips, inPlace) {
+			var err error
+			if err = s.sync(ips, inPlace, known); err == nil {
+				inPlace, known, retry = ips, true, time.Second
+			} else {
+				known = false
+				again = time.After(retry)
+				retry = min(2*retry, probeCheckInterval)
 			}
-		} else {
-			s.problem.Store(nil)
-			logged = ""
+			s.report(health, len(ips), err, routing, &logged)
 		}
+		recheck = false
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-watch:
 		case <-tick.C:
+			recheck = true
 		case <-again:
+			recheck = true
 		}
 	}
 }
 
-// sync reads the node's table and writes it if it differs from ips.
-func (s *probeSNAT) sync(ips, inPlace []netip.Addr) error {
+// report tells health, /healthz and (once per cause) the log how the
+// node's SNAT stands after a check.
+func (s *probeSNAT) report(health cell.Health, n int, err, routing error, logged *string) {
+	switch {
+	case err != nil:
+		err = fmt.Errorf("the SNAT of the kubelet's probes is not written on the node: %w", err)
+		health.Degraded("probe SNAT not written", err)
+	case routing != nil:
+		err = fmt.Errorf("the kubelet's probes are not SNATed (--probe-snat): %w", routing)
+		health.Degraded("probe SNAT refused", err)
+	default:
+		health.OK(fmt.Sprintf("the node's connections to %d pod addresses SNATed to %s / %s", n, ProbeSNAT4, ProbeSNAT6))
+		s.problem.Store(nil)
+		*logged = ""
+		return
+	}
+	s.problem.Store(&err)
+	// A failure that lasts is retried quietly.
+	if err.Error() != *logged {
+		s.p.Log.Error("Probe SNAT", "error", err)
+		*logged = err.Error()
+	}
+}
+
+// sync reads the node's table and writes it if it differs from ips;
+// known: the node held inPlace at the last check.
+func (s *probeSNAT) sync(ips, inPlace []netip.Addr, known bool) error {
 	gaps, err := s.p.Target.CheckProbeSNAT(ips)
 	if err != nil || len(gaps) == 0 {
 		return err
 	}
-	if inPlace != nil && slices.Equal(ips, inPlace) {
+	if known && slices.Equal(ips, inPlace) {
 		s.p.Log.Warn("SNAT of the kubelet's probes altered on the node, written again", "gaps", gaps)
 	}
 	return s.p.Target.WriteProbeSNAT(ips)
