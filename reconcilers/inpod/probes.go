@@ -201,6 +201,11 @@ const probeCheckInterval = 30 * time.Second
 // (tests' agents run in the host's namespace).
 type probeSNAT struct {
 	p probeSNATParams
+	// routing is why Cilium's routing refuses the SNAT, or nil: under BPF
+	// host routing a pod's reply to the probe address leaves by the
+	// uplink, past the node's connection tracking, and every probe would
+	// fail. Read once: Cilium's agent restarts to change it.
+	routing error
 	// problem is why the node's connections are not SNATed now, for
 	// /healthz; nil when they are.
 	problem atomic.Pointer[error]
@@ -211,6 +216,13 @@ func newProbeSNAT(p probeSNATParams) *probeSNAT {
 	switch {
 	case !p.Config.ProbeSNAT:
 	case p.Mode.Mode() == steering.ModeInPod:
+		if dir := p.Mode.CiliumConfigDir; dir != "" {
+			s.routing = steering.HostLegacyRouting(dir)
+		}
+		if s.routing != nil {
+			err := refused(s.routing)
+			s.problem.Store(&err)
+		}
 		p.Jobs.Add(job.OneShot("probe-snat", s.run))
 	default:
 		p.Jobs.Add(job.OneShot("probe-snat", s.removeLeftover))
@@ -247,13 +259,6 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 	if !reconcilers.WaitInitialized(ctx, health, s.p.DB, s.p.Redirections) {
 		return nil
 	}
-	// Under BPF host routing a pod's reply to the probe address leaves by
-	// the uplink, past the node's connection tracking: every probe would
-	// fail. Read once: Cilium's agent restarts to change it.
-	var routing error
-	if dir := s.p.Mode.CiliumConfigDir; dir != "" {
-		routing = steering.HostLegacyRouting(dir)
-	}
 	var inPlace []netip.Addr // what the node held at the last check, if known
 	known, recheck := false, true
 	var logged string
@@ -263,7 +268,7 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 	for {
 		rows, watch := s.p.Redirections.AllWatch(s.p.DB.ReadTxn())
 		ips := probeAddrs(rows)
-		if routing != nil {
+		if s.routing != nil {
 			ips = nil
 		}
 		var again <-chan time.Time
@@ -278,7 +283,7 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 				again = time.After(retry)
 				retry = min(2*retry, probeCheckInterval)
 			}
-			s.report(health, len(ips), err, routing, &logged)
+			s.report(health, len(ips), err, &logged)
 		}
 		recheck = false
 		select {
@@ -295,13 +300,13 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 
 // report tells health, /healthz and (once per cause) the log how the
 // node's SNAT stands after a check.
-func (s *probeSNAT) report(health cell.Health, n int, err, routing error, logged *string) {
+func (s *probeSNAT) report(health cell.Health, n int, err error, logged *string) {
 	switch {
 	case err != nil:
 		err = fmt.Errorf("the SNAT of the kubelet's probes is not written on the node: %w", err)
 		health.Degraded("probe SNAT not written", err)
-	case routing != nil:
-		err = fmt.Errorf("the kubelet's probes are not SNATed (--probe-snat): %w", routing)
+	case s.routing != nil:
+		err = refused(s.routing)
 		health.Degraded("probe SNAT refused", err)
 	default:
 		health.OK(fmt.Sprintf("the node's connections to %d pod addresses SNATed to %s / %s", n, ProbeSNAT4, ProbeSNAT6))
@@ -315,6 +320,10 @@ func (s *probeSNAT) report(health cell.Health, n int, err, routing error, logged
 		s.p.Log.Error("Probe SNAT", "error", err)
 		*logged = err.Error()
 	}
+}
+
+func refused(routing error) error {
+	return fmt.Errorf("the kubelet's probes are not SNATed (--probe-snat): %w", routing)
 }
 
 // sync reads the node's table and writes it if it differs from ips;

@@ -366,6 +366,18 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 				}
 				return func(*script.State) (string, string, error) { return out, "", nil }, nil
 			}),
+		"node/put-probe-snat": script.Command(
+			script.CmdUsage{Summary: "the node SNATs its connections to the addresses (left by an earlier agent)", Args: "addr..."},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				addrs, err := parseAddrs(args)
+				if err != nil {
+					return nil, err
+				}
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				f.probes = addrs
+				return nil, nil
+			}),
 		"netns/rules":       f.listCommand("list the namespaces holding the redirection", f.rules),
 		"netns/emptied":     f.listCommand("list the namespaces whose connections were all closed", f.emptied),
 		"netns/close-tried": f.listCommand("list the namespaces whose connections closing was tried for", f.tried),

@@ -32,6 +32,11 @@ func TestHostLegacyRouting(t *testing.T) {
 	}{
 		{"BPF host routing", bpfRouting, true},
 		{"BPF host routing, no masquerading", map[string]string{"kube-proxy-replacement": "true", "enable-ipv4-masquerade": "false", "enable-ipv6-masquerade": "false"}, true},
+		// As Helm writes an IPv4 cluster without masquerading: IPv6's
+		// masquerading counts only where IPv6 is on.
+		{"BPF host routing, IPv4 without masquerading", map[string]string{"kube-proxy-replacement": "true", "enable-ipv4-masquerade": "false",
+			"enable-ipv6": "false", "enable-ipv6-masquerade": "true"}, true},
+		{"legacy routing set as Cilium parses it", with("enable-host-legacy-routing", "True"), false},
 		{"legacy routing set", with("enable-host-legacy-routing", "true"), false},
 		{"without kube-proxy replacement", with("kube-proxy-replacement", "false"), false},
 		{"iptables masquerading", with("enable-bpf-masquerade", "false"), false},
