@@ -225,7 +225,7 @@ func newProbeSNAT(p probeSNATParams) *probeSNAT {
 		}
 		p.Jobs.Add(job.OneShot("probe-snat", s.run))
 	default:
-		p.Jobs.Add(job.OneShot("probe-snat", s.removeLeftover))
+		p.Jobs.Add(job.OneShot("probe-snat", s.removeLeftover, job.WithRetry(-1, &job.ExponentialBackoff{Min: time.Second, Max: time.Minute})))
 	}
 	return s
 }
@@ -243,12 +243,12 @@ func (s *probeSNAT) readinessCheck() api.CheckOut {
 
 func (s *probeSNAT) removeLeftover(ctx context.Context, health cell.Health) error {
 	if err := s.p.Target.WriteProbeSNAT(nil); err != nil {
+		// Logged, shown in health and retried by the job.
 		err = fmt.Errorf("a probe SNAT table the in-pod mode left on the node is not removed: %w", err)
 		s.problem.Store(&err)
-		s.p.Log.Error("Probe SNAT", "error", err)
-		health.Degraded("probe SNAT left", err)
-		return nil
+		return err
 	}
+	s.problem.Store(nil)
 	health.OK("inactive (--redirect-mode=" + s.p.Mode.Mode() + "): none on the node")
 	return nil
 }
