@@ -3,11 +3,13 @@
 package deploy_test
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"testing"
 
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
@@ -20,8 +22,10 @@ import (
 // pinned ones (no CNI report: mtlsbridge was installed after it started),
 // writes its redirection there, and with --probe-snat (Cilium's settings
 // those of its legacy host routing) makes the node's own connections reach
-// the pod past it, with no ztunnel anywhere. Without SYS_ADMIN it cannot
-// enter the pod's namespace: its log and the pod's row say so.
+// the pod past it, with no ztunnel anywhere; under Cilium's BPF host
+// routing it SNATs nothing, and its readiness output says why. Without
+// SYS_ADMIN it cannot enter the pod's namespace: its log and the pod's
+// row say so.
 func TestInPodSidecar(t *testing.T) {
 	c := newCluster(t)
 	netnsDir := t.TempDir()
@@ -31,14 +35,21 @@ func TestInPodSidecar(t *testing.T) {
 	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(zdsDir) })
 	c.web.Serve(t, "web", 8080, false, c.web.IP4, c.web.IP6)
-	ciliumConfig := t.TempDir()
-	for key, value := range map[string]string{"kube-proxy-replacement": "true", "enable-host-legacy-routing": "true"} {
-		must(t, os.WriteFile(filepath.Join(ciliumConfig, key), []byte(value), 0o644))
+	ciliumConfig := func(settings map[string]string) string {
+		dir := t.TempDir()
+		for key, value := range settings {
+			must(t, os.WriteFile(filepath.Join(dir, key), []byte(value), 0o644))
+		}
+		return dir
 	}
-	flags := []string{"--redirect-mode=inpod", "--zds-socket=" + filepath.Join(zdsDir, "ztunnel.sock"),
-		"--netns-dir=" + netnsDir, "--netns-search-min-age=0s", "--probe-snat",
-		// The last of a flag given twice holds: Cilium's configuration here.
-		"--cilium-config-dir=" + ciliumConfig}
+	legacyRouting := ciliumConfig(map[string]string{"kube-proxy-replacement": "true", "enable-host-legacy-routing": "true"})
+	bpfRouting := ciliumConfig(map[string]string{"kube-proxy-replacement": "true", "enable-bpf-masquerade": "true"})
+	flags := func(ciliumConfig string) []string {
+		return []string{"--redirect-mode=inpod", "--zds-socket=" + filepath.Join(zdsDir, "ztunnel.sock"),
+			"--netns-dir=" + netnsDir, "--netns-search-min-age=0s", "--probe-snat",
+			// The last of a flag given twice holds: Cilium's configuration here.
+			"--cilium-config-dir=" + ciliumConfig}
+	}
 	caps := slices.DeleteFunc(capsOf(c.sidecar), func(cp string) bool { return cp == "BPF" || cp == "PERFMON" })
 	if len(caps) != 1 {
 		t.Fatalf("the sidecar adds %v; this test expects NET_ADMIN beside BPF and PERFMON", capsOf(c.sidecar))
@@ -46,7 +57,7 @@ func TestInPodSidecar(t *testing.T) {
 
 	t.Run("without SYS_ADMIN", func(t *testing.T) {
 		c.reset(t)
-		r := c.freshRun(t, caps, flags...)
+		r := c.freshRun(t, caps, flags(legacyRouting)...)
 		logSays(t, r, "Cannot redirect an enrolled pod", "app/web", "operation not permitted")
 		shellSays(t, c, r, []string{"db/show", "inpod"}, "app/web", "network namespace unknown")
 		r.stop()
@@ -54,7 +65,7 @@ func TestInPodSidecar(t *testing.T) {
 
 	t.Run("with SYS_ADMIN", func(t *testing.T) {
 		c.reset(t)
-		r := c.freshRun(t, append(slices.Clone(caps), "SYS_ADMIN"), flags...)
+		r := c.freshRun(t, append(slices.Clone(caps), "SYS_ADMIN"), flags(legacyRouting)...)
 		shellSays(t, c, r, []string{"db/show", "inpod"}, "app/web", "/web", "Done")
 		for i, probe := range []netip.Addr{inpod.ProbeSNAT4, inpod.ProbeSNAT6} {
 			dst := netip.AddrPortFrom([]netip.Addr{c.web.IP4, c.web.IP6}[i], 8080)
@@ -66,6 +77,23 @@ func TestInPodSidecar(t *testing.T) {
 				return err
 			})
 		}
+		r.stop()
+	})
+
+	// Under Cilium's BPF host routing the pod's replies would leave by the
+	// uplink: nothing is SNATed (the table written above goes), and the
+	// readiness probe's output says why.
+	t.Run("under BPF host routing", func(t *testing.T) {
+		c.reset(t)
+		r := c.freshRun(t, append(slices.Clone(caps), "SYS_ADMIN"), flags(bpfRouting)...)
+		healthSays(t, c, r, `"probe-snat"`, "BPF host routing")
+		dst := netip.AddrPortFrom(c.web.IP4, 8080)
+		waitFor(t, r, "the node's connection to "+dst.String()+" redirected in the pod (refused: no ztunnel)", func() error {
+			if got, err := c.node.Ask(dst); !errors.Is(err, syscall.ECONNREFUSED) {
+				return fmt.Errorf("answered %v, %v", got, err)
+			}
+			return nil
+		})
 		r.stop()
 	})
 }
