@@ -209,10 +209,12 @@ type probeSNAT struct {
 	// problem is why the node's connections are not SNATed now, for
 	// /healthz; nil when they are.
 	problem atomic.Pointer[error]
+	// checkNow asks for a check before the next interval (inpod/prune).
+	checkNow chan struct{}
 }
 
 func newProbeSNAT(p probeSNATParams) *probeSNAT {
-	s := &probeSNAT{p: p}
+	s := &probeSNAT{p: p, checkNow: make(chan struct{}, 1)}
 	switch {
 	case !p.Config.ProbeSNAT:
 	case p.Mode.Mode() == steering.ModeInPod:
@@ -294,7 +296,17 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 			recheck = true
 		case <-again:
 			recheck = true
+		case <-s.checkNow:
+			recheck = true
 		}
+	}
+}
+
+// check asks for the node to be read again now.
+func (s *probeSNAT) check() {
+	select {
+	case s.checkNow <- struct{}{}:
+	default:
 	}
 }
 
