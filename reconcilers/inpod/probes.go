@@ -97,12 +97,7 @@ func probeRuleset(v4, v6 *nftables.Set) []chainSpec {
 func writeProbeSNAT(conn *nftables.Conn, ips []netip.Addr) error {
 	table := &nftables.Table{Name: ProbeTableName, Family: nftables.TableFamilyINet}
 	if len(ips) == 0 {
-		exists, err := tableExists(conn, ProbeTableName)
-		if err != nil || !exists {
-			return err
-		}
-		conn.DelTable(table)
-		return conn.Flush()
+		return deleteTable(conn, table)
 	}
 	sets := probeSets(table, ips)
 	return replaceTable(conn, table, sets, func() []chainSpec { return probeRuleset(sets[0].set, sets[1].set) })
@@ -145,8 +140,8 @@ func checkProbeSNAT(conn *nftables.Conn, ips []netip.Addr) ([]string, error) {
 			diffs = append(diffs, fmt.Sprintf("set %s: %v", s.set.Name, err))
 			continue
 		}
-		if !sameElements(elements, s.elements) {
-			diffs = append(diffs, fmt.Sprintf("set %s holds %s, want %s", s.set.Name, elementsString(elements), elementsString(s.elements)))
+		if have, want := elementAddrs(elements), elementAddrs(s.elements); !slices.Equal(have, want) {
+			diffs = append(diffs, fmt.Sprintf("set %s holds %v, want %v", s.set.Name, have, want))
 		}
 	}
 	gaps := make([]string, len(diffs))
@@ -156,27 +151,15 @@ func checkProbeSNAT(conn *nftables.Conn, ips []netip.Addr) ([]string, error) {
 	return gaps, nil
 }
 
-func sameElements(a, b []nftables.SetElement) bool {
-	keys := func(es []nftables.SetElement) []string {
-		out := make([]string, len(es))
-		for i, e := range es {
-			out[i] = string(e.Key)
-		}
-		slices.Sort(out)
-		return out
+// elementAddrs are the addresses a set's elements hold, sorted (a key of
+// another length shows as an invalid address).
+func elementAddrs(es []nftables.SetElement) []netip.Addr {
+	out := make([]netip.Addr, len(es))
+	for i, e := range es {
+		out[i], _ = netip.AddrFromSlice(e.Key)
 	}
-	return slices.Equal(keys(a), keys(b))
-}
-
-func elementsString(es []nftables.SetElement) string {
-	out := make([]string, 0, len(es))
-	for _, e := range es {
-		if ip, ok := netip.AddrFromSlice(e.Key); ok {
-			out = append(out, ip.String())
-		}
-	}
-	slices.Sort(out)
-	return fmt.Sprint(out)
+	slices.SortFunc(out, netip.Addr.Compare)
+	return out
 }
 
 type probeSNATParams struct {

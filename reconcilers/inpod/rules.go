@@ -291,16 +291,21 @@ func removeRules(h netns.NsHandle) error {
 	if err != nil {
 		return err
 	}
-	if exists, err := tableExists(conn, NFTTableName); err != nil {
+	if err := deleteTable(conn, &nftables.Table{Name: NFTTableName, Family: nftables.TableFamilyINet}); err != nil {
 		errs = append(errs, fmt.Errorf("nftables: %w", err))
-	} else if exists {
-		conn.DelTable(&nftables.Table{Name: NFTTableName, Family: nftables.TableFamilyINet})
-		if err := conn.Flush(); err != nil {
-			errs = append(errs, fmt.Errorf("nftables: %w", err))
-		}
 	}
 	errs = append(errs, routing(h, families{true, true}, false))
 	return errors.Join(errs...)
+}
+
+// deleteTable deletes table if it exists.
+func deleteTable(conn *nftables.Conn, table *nftables.Table) error {
+	exists, err := tableExists(conn, table.Name)
+	if err != nil || !exists {
+		return err
+	}
+	conn.DelTable(table)
+	return conn.Flush()
 }
 
 // tableExists tells whether the inet table name exists.

@@ -217,26 +217,27 @@ func (netlinkTarget) Namespaces(dir string) ([]Namespace, map[string]error) {
 }
 
 func (t netlinkTarget) WriteProbeSNAT(ips []netip.Addr) error {
-	return t.node.Do(func() error {
-		// Its sockets are opened in the calling thread's namespace.
-		conn, err := nftables.New()
-		if err != nil {
-			return err
-		}
-		return writeProbeSNAT(conn, ips)
-	})
+	return t.inNodeNftables(func(conn *nftables.Conn) error { return writeProbeSNAT(conn, ips) })
 }
 
 func (t netlinkTarget) CheckProbeSNAT(ips []netip.Addr) (gaps []string, err error) {
-	err = t.node.Do(func() error {
-		conn, err := nftables.New()
-		if err != nil {
-			return err
-		}
+	err = t.inNodeNftables(func(conn *nftables.Conn) (err error) {
 		gaps, err = checkProbeSNAT(conn, ips)
 		return err
 	})
 	return gaps, err
+}
+
+// inNodeNftables runs fn with an nftables connection of the node's
+// namespace: its sockets are opened in the calling thread's namespace.
+func (t netlinkTarget) inNodeNftables(fn func(*nftables.Conn) error) error {
+	return t.node.Do(func() error {
+		conn, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		return fn(conn)
+	})
 }
 
 // statNetns is the identity of what path names now; the error is stat's.
