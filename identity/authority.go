@@ -124,9 +124,12 @@ func (m *Material) Bundle() []*x509.Certificate {
 }
 
 // BundlePEM is Bundle in PEM.
-func (m *Material) BundlePEM() []byte {
+func (m *Material) BundlePEM() []byte { return encodeCertificates(m.Bundle()) }
+
+// encodeCertificates is certs in PEM, one after the other.
+func encodeCertificates(certs []*x509.Certificate) []byte {
 	var b bytes.Buffer
-	for _, c := range m.Bundle() {
+	for _, c := range certs {
 		pem.Encode(&b, &pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})
 	}
 	return b.Bytes()

@@ -5,7 +5,6 @@ package identity
 import (
 	"bytes"
 	"crypto/x509"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -195,11 +194,7 @@ func ignoreNotExist(err error) error {
 }
 
 func writeTrusted(files materialFiles, roots []*x509.Certificate) error {
-	var b bytes.Buffer
-	for _, c := range roots {
-		pem.Encode(&b, &pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})
-	}
-	return files.write(TrustedRootsFile, b.Bytes(), 0o644)
+	return files.write(TrustedRootsFile, encodeCertificates(roots), 0o644)
 }
 
 // RetireDir ends a rotation: only the signing root stays trusted. Run it once
