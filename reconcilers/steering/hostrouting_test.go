@@ -4,7 +4,6 @@ package steering_test
 
 import (
 	"errors"
-	"os"
 	"path/filepath"
 	"testing"
 
@@ -37,19 +36,13 @@ func TestHostLegacyRouting(t *testing.T) {
 		{"BPF host routing, IPv4 without masquerading", map[string]string{"kube-proxy-replacement": "true", "enable-ipv4-masquerade": "false",
 			"enable-ipv6": "false", "enable-ipv6-masquerade": "true"}, true},
 		{"legacy routing set as Cilium parses it", with("enable-host-legacy-routing", "True"), false},
-		{"legacy routing set", with("enable-host-legacy-routing", "true"), false},
+		{"legacy routing set, as a file ends", with("enable-host-legacy-routing", "true\n"), false},
 		{"without kube-proxy replacement", with("kube-proxy-replacement", "false"), false},
 		{"iptables masquerading", with("enable-bpf-masquerade", "false"), false},
 		{"Cilium's defaults", map[string]string{}, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			dir := t.TempDir()
-			for k, v := range c.config {
-				if err := os.WriteFile(filepath.Join(dir, k), []byte(v+"\n"), 0o600); err != nil {
-					t.Fatal(err)
-				}
-			}
-			if err := steering.HostLegacyRouting(dir); errors.Is(err, steering.ErrBPFHostRouting) != c.bpf {
+			if err := steering.HostLegacyRouting(ciliumConfig(t, c.config)); errors.Is(err, steering.ErrBPFHostRouting) != c.bpf {
 				t.Errorf("%v, want BPF host routing refused: %v", err, c.bpf)
 			}
 		})

@@ -32,13 +32,7 @@ func TestServicesAtSocket(t *testing.T) {
 		{"host namespace only", map[string]string{"kube-proxy-replacement": "true", "bpf-lb-sock-hostns-only": "true"}, "host namespace only"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			dir := t.TempDir()
-			for k, v := range c.config {
-				if err := os.WriteFile(filepath.Join(dir, k), []byte(v), 0o600); err != nil {
-					t.Fatal(err)
-				}
-			}
-			err := steering.ServicesAtSocket(dir)
+			err := steering.ServicesAtSocket(ciliumConfig(t, c.config))
 			switch {
 			case c.want == "" && err != nil:
 				t.Errorf("%v, want no error", err)
@@ -55,10 +49,7 @@ func TestServicesAtSocket(t *testing.T) {
 // The whole agent: /healthz names the problem as a warning, and stays
 // ready (the sidecar's readiness is its Cilium pod's).
 func TestServicesWarning(t *testing.T) {
-	config := t.TempDir()
-	if err := os.WriteFile(filepath.Join(config, "kube-proxy-replacement"), []byte("false"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	config := ciliumConfig(t, map[string]string{"kube-proxy-replacement": "false"})
 	a := agenttest.Start(t, t.TempDir(), nil, "--cilium-config-dir="+config)
 	var h api.Health
 	if err := client.New(a.StateDir).GetJSON(t.Context(), "/healthz", &h); err != nil {
@@ -70,4 +61,17 @@ func TestServicesWarning(t *testing.T) {
 	if !strings.Contains(a.Logs.String(), "Cilium's configuration leaves Service traffic unprotected") {
 		t.Error("the problem is not logged at start")
 	}
+}
+
+// ciliumConfig is a folder of Cilium's effective configuration holding
+// settings, one file per key.
+func ciliumConfig(t *testing.T, settings map[string]string) string {
+	t.Helper()
+	dir := t.TempDir()
+	for key, value := range settings {
+		if err := os.WriteFile(filepath.Join(dir, key), []byte(value), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
 }
