@@ -341,7 +341,7 @@ func (n *Node) AddPod(t testing.TB, name string) *Pod {
 	p.HostIndex = host.Attrs().Index
 	must(t, nh.LinkSetUp(host))
 	for _, ip := range []netip.Addr{p.IP4, p.IP6} {
-		must(t, nh.RouteAdd(&netlink.Route{Dst: hostPrefix(ip), LinkIndex: p.HostIndex, Scope: netlink.SCOPE_LINK}))
+		must(t, nh.RouteAdd(&netlink.Route{Dst: HostPrefix(ip), LinkIndex: p.HostIndex, Scope: netlink.SCOPE_LINK}))
 	}
 
 	ph := p.Netlink(t)
@@ -355,7 +355,7 @@ func (n *Node) AddPod(t testing.TB, name string) *Pod {
 	addAddr(t, p.NS, ph, eth0, p.IP4, 32)
 	addAddr(t, p.NS, ph, eth0, p.IP6, 128)
 	gw4 := netip.MustParseAddr(podGW4)
-	must(t, ph.RouteAdd(&netlink.Route{Dst: hostPrefix(gw4), LinkIndex: eth0.Attrs().Index, Scope: netlink.SCOPE_LINK}))
+	must(t, ph.RouteAdd(&netlink.Route{Dst: HostPrefix(gw4), LinkIndex: eth0.Attrs().Index, Scope: netlink.SCOPE_LINK}))
 	must(t, ph.RouteAdd(&netlink.Route{Gw: gw4.AsSlice(), LinkIndex: eth0.Attrs().Index}))
 	must(t, ph.RouteAdd(&netlink.Route{Gw: net.ParseIP(podGW6), LinkIndex: eth0.Attrs().Index}))
 	return p
@@ -466,7 +466,8 @@ func waitSolicitedNodeGroup(t testing.TB, ns *NS, l netlink.Link, ip netip.Addr)
 	}
 }
 
-func hostPrefix(ip netip.Addr) *net.IPNet {
+// HostPrefix is ip alone as a prefix (/32, /128), for routes and rules.
+func HostPrefix(ip netip.Addr) *net.IPNet {
 	return &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(ip.BitLen(), ip.BitLen())}
 }
 

@@ -14,6 +14,10 @@ import (
 // namespaces (not the node's).
 func NetlinkTargetForTests() Target { return netlinkTarget{} }
 
+// ProbeCheckInterval, provided, replaces how often the node's probe SNAT
+// is read again.
+type ProbeCheckInterval = probeCheckInterval
+
 // PruneInterval is the reconciler's periodic prune interval.
 const PruneInterval = pruneInterval
 

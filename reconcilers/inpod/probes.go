@@ -22,6 +22,7 @@ package inpod
 // that holds, and istio-cni inserts its rule first too.
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"iter"
@@ -172,10 +173,15 @@ type probeSNATParams struct {
 	Jobs         job.Group
 	Redirections statedb.Table[*Redirection]
 	Target       Target
+	// CheckInterval replaces defaultProbeCheckInterval (tests).
+	CheckInterval probeCheckInterval `optional:"true"`
 }
 
-// Checked again this often: someone may flush the node's table (Istio #60607).
-const probeCheckInterval = 30 * time.Second
+// probeCheckInterval is how often the node's table is read again: someone
+// may flush it (Istio #60607).
+type probeCheckInterval time.Duration
+
+const defaultProbeCheckInterval = probeCheckInterval(30 * time.Second)
 
 // probeSNAT keeps the node's table holding the addresses of every pod
 // whose redirection is written or being written, in the in-pod mode with
@@ -248,7 +254,8 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 	known, recheck := false, true
 	var logged string
 	retry := time.Second
-	tick := time.NewTicker(probeCheckInterval)
+	interval := time.Duration(cmp.Or(s.p.CheckInterval, defaultProbeCheckInterval))
+	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	for {
 		rows, watch := s.p.Redirections.AllWatch(s.p.DB.ReadTxn())
@@ -266,7 +273,7 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 			} else {
 				known = false
 				again = time.After(retry)
-				retry = min(2*retry, probeCheckInterval)
+				retry = min(2*retry, interval)
 			}
 			s.report(health, len(ips), err, &logged)
 		}

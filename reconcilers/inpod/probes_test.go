@@ -4,7 +4,6 @@ package inpod
 
 import (
 	"errors"
-	"net"
 	"net/netip"
 	"strings"
 	"syscall"
@@ -66,9 +65,9 @@ func TestProbeSNAT(t *testing.T) {
 	// wrong SNAT would show as an answer.
 	nl := node.Netlink(t)
 	toB := netlink.NewRule()
-	toB.Dst, toB.IifName, toB.Table, toB.Priority = hostPrefix(b.IP4), a.HostIf, 200, 100
+	toB.Dst, toB.IifName, toB.Table, toB.Priority = netnstest.HostPrefix(b.IP4), a.HostIf, 200, 100
 	must(t, nl.RuleAdd(toB))
-	must(t, nl.RouteAdd(&netlink.Route{Dst: hostPrefix(b.IP4), LinkIndex: 1, Table: 200, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST}))
+	must(t, nl.RouteAdd(&netlink.Route{Dst: netnstest.HostPrefix(b.IP4), LinkIndex: 1, Table: 200, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST}))
 	if got, err := node.AskFrom(netip.AddrPortFrom(b.IP4, 0), netip.AddrPortFrom(a.IP4, 8080)); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Errorf("node as b -> a (transparent): %v %v, want refused (not SNATed)", got, err)
 	}
@@ -90,6 +89,17 @@ func TestProbeSNAT(t *testing.T) {
 		t.Errorf("node -> a written again: %v %v", got, err)
 	}
 
+	// A table deleted by hand (Istio #60607's flush) is seen and written
+	// again.
+	must(t, deleteTable(conn, &nftables.Table{Name: ProbeTableName, Family: nftables.TableFamilyINet}))
+	if gaps, err := checkProbeSNAT(conn, ips); err != nil || len(gaps) != 1 || gaps[0] != gapProbesMissing {
+		t.Errorf("after deleting the table: %q %v, want %q", gaps, err, gapProbesMissing)
+	}
+	must(t, writeProbeSNAT(conn, ips))
+	if gaps, err := checkProbeSNAT(conn, ips); err != nil || len(gaps) > 0 {
+		t.Errorf("written again: %v %v", gaps, err)
+	}
+
 	// No pod left: the table goes.
 	must(t, writeProbeSNAT(conn, nil))
 	if exists, err := tableExists(conn, ProbeTableName); err != nil || exists {
@@ -98,8 +108,4 @@ func TestProbeSNAT(t *testing.T) {
 	if gaps, err := checkProbeSNAT(conn, nil); err != nil || len(gaps) > 0 {
 		t.Errorf("removed: %v %v", gaps, err)
 	}
-}
-
-func hostPrefix(ip netip.Addr) *net.IPNet {
-	return &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(ip.BitLen(), ip.BitLen())}
 }

@@ -78,6 +78,9 @@ func newEngine(t testing.TB, args []string) *script.Engine {
 		readiness.Cell, workload.Cell,
 		cell.Module("inpod-test", "In-pod mode on namespaces in memory",
 			cell.Provide(func() inpod.Target { return target }, inpod.TableReportsForTests),
+			// The node's probe SNAT is read again only when a script asks
+			// (inpod/prune).
+			cell.Provide(func() inpod.ProbeCheckInterval { return inpod.ProbeCheckInterval(time.Hour) }),
 			inpod.Core,
 		),
 		// The l2 mode's datapath has tests of its own; in these, l2 is a
@@ -177,8 +180,10 @@ type fakeTarget struct {
 	// what closing answers.
 	emptied, tried map[string]bool
 	closeErr       error
-	// probes are the addresses the node SNATs its connections to.
-	probes []netip.Addr
+	// probes are the addresses the node SNATs its connections to; asked
+	// those of the last check, if one came since node/probe-snat-asked.
+	probes, asked []netip.Addr
+	wasAsked      bool
 }
 
 // resolve returns the path under which the namespace path names is kept.
@@ -306,6 +311,7 @@ func (f *fakeTarget) WriteProbeSNAT(ips []netip.Addr) error {
 func (f *fakeTarget) CheckProbeSNAT(ips []netip.Addr) ([]string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.asked, f.wasAsked = slices.Clone(ips), true
 	if !slices.Equal(f.probes, ips) {
 		return []string{inpod.GapProbesAltered}, nil
 	}
@@ -364,6 +370,18 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 				for _, ip := range f.probes {
 					out += ip.String() + "\n"
 				}
+				return func(*script.State) (string, string, error) { return out, "", nil }, nil
+			}),
+		"node/probe-snat-asked": script.Command(
+			script.CmdUsage{Summary: "print the addresses the last check of the node's probe SNAT asked for, if one came since the last time this printed"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				f.mu.Lock()
+				defer f.mu.Unlock()
+				out := ""
+				if f.wasAsked {
+					out = fmt.Sprintf("asked: %v\n", f.asked)
+				}
+				f.wasAsked = false
 				return func(*script.State) (string, string, error) { return out, "", nil }, nil
 			}),
 		"node/flush-probe-snat": script.Command(
