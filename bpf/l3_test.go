@@ -4,7 +4,6 @@ package bpf_test
 
 import (
 	"bytes"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"testing"
@@ -41,16 +40,9 @@ func TestNodeIngressL3(t *testing.T) {
 	}
 	agentMAC := links["agent-peer"].Attrs().HardwareAddr
 
-	objs, err := bpf.Load("")
-	must(t, err)
-	t.Cleanup(func() { objs.Close() })
-	for addr, e := range map[netip.Addr]bpf.Entry{
-		podA:         {Kind: bpf.KindEnrolled, Ifindex: podAIf, MAC: podMAC, NetnsID: bpf.NoNetns},
-		podA6:        {Kind: bpf.KindEnrolled, Ifindex: podAIf, MAC: podMAC, NetnsID: bpf.NoNetns},
-		bpf.AgentKey: {Kind: bpf.KindAgent, Ifindex: uint32(links["agent"].Attrs().Index), MAC: agentMAC, NetnsID: bpf.NoNetns},
-	} {
-		must(t, objs.Redirects.Update(addr, e))
-	}
+	// The node of the unit tests, its agent this namespace's veth.
+	objs := loadNode(t)
+	must(t, objs.Redirects.Update(bpf.AgentKey, bpf.Entry{Kind: bpf.KindAgent, Ifindex: uint32(links["agent"].Attrs().Index), MAC: agentMAC, NetnsID: bpf.NoNetns}))
 	pin := filepath.Join(netnstest.BPFRoot(t), "node-ingress-wg0")
 	must(t, ns.Do(func() error { return objs.Attach(bpf.HookNodeIngress, pin, links["wg0"].Attrs().Index) }))
 	li, err := bpf.PinnedLink(pin)
