@@ -62,7 +62,8 @@ func TestRotateTheSignersSecret(t *testing.T) {
 		if string(s.Data["note"]) != "kept" {
 			t.Errorf("the Secret's other key: %q", s.Data["note"])
 		}
-		// Every call follows a step that changed the Secret.
+		// The first step rewrote the Secret without it, and nothing brings
+		// it back.
 		if _, ok := s.Annotations["kubectl.kubernetes.io/last-applied-configuration"]; ok {
 			t.Error("the kubectl annotation, a copy of the first key, stayed")
 		}
@@ -75,6 +76,8 @@ func TestRotateTheSignersSecret(t *testing.T) {
 		}
 		return certificates(t, s.Data[identity.CACertFile])[0], next, certificates(t, []byte(cm.Data[identity.RootsKey]))
 	}
+	// same compares roots in the bundle's order: the one that signs (or is
+	// about to) first.
 	same := func(got []*x509.Certificate, want ...*x509.Certificate) bool {
 		return slices.EqualFunc(got, want, (*x509.Certificate).Equal)
 	}
