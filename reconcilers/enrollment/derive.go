@@ -161,6 +161,12 @@ func (d *derivation) update(dirty map[string]struct{}) {
 	in := &inputs{txn: wtxn, namespaces: d.Namespaces, policies: d.Policies, anchors: d.anchors}
 	changed := 0
 	var logged []*Enrollment
+	// A node agent keeps its own pods' rows; the signer (no node of its
+	// own) signs for pods awaiting their address too.
+	keepsUnenrolled := func(e *Enrollment) bool { return e.Node == d.Node.NodeName }
+	if d.Node.NodeName == "" {
+		keepsUnenrolled = func(e *Enrollment) bool { return e.AwaitingIP }
+	}
 	// In key order: neighbouring pods share the tree nodes that the lookups
 	// and inserts walk, which stay in cache (a cold pass: 100,000 pods).
 	for _, key := range slices.Sorted(maps.Keys(dirty)) {
@@ -175,10 +181,7 @@ func (d *derivation) update(dirty map[string]struct{}) {
 			}
 			e = decide(d.Config, in, pod)
 		}
-		// The signer (no node of its own) signs for pods awaiting their
-		// address too, and has no pods of its own.
-		signer := d.Node.NodeName == ""
-		switch keep := e != nil && (e.Enrolled || !signer && e.Node == d.Node.NodeName || signer && e.AwaitingIP); {
+		switch keep := e != nil && (e.Enrolled || keepsUnenrolled(e)); {
 		case keep && (!hadOld || *e != *old):
 			d.Enrollments.Insert(wtxn, e)
 			changed++
