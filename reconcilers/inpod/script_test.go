@@ -384,16 +384,8 @@ func (f *fakeTarget) commands() map[string]script.Cmd {
 				f.wasAsked = false
 				return func(*script.State) (string, string, error) { return out, "", nil }, nil
 			}),
-		"node/flush-probe-snat": script.Command(
-			script.CmdUsage{Summary: "someone empties the node's probe SNAT table"},
-			func(s *script.State, args ...string) (script.WaitFunc, error) {
-				f.mu.Lock()
-				defer f.mu.Unlock()
-				f.probes = nil
-				return nil, nil
-			}),
 		"node/put-probe-snat": script.Command(
-			script.CmdUsage{Summary: "the node SNATs its connections to the addresses (left by an earlier agent)", Args: "addr..."},
+			script.CmdUsage{Summary: "the node's table holds the addresses (left by an earlier agent; none: someone emptied it)", Args: "[addr...]"},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
 				addrs, err := parseAddrs(args)
 				if err != nil {
