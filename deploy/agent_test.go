@@ -132,7 +132,7 @@ func newCluster(t *testing.T) *cluster {
 	t.Helper()
 	netnstest.RequirePrivileged(t)
 	c := &cluster{t: t}
-	ds, sidecar := ciliumDaemonSet(t, renderCilium(t))
+	ds, sidecar := ciliumDaemonSet(t, renderCilium(t, l2Values))
 	c.sidecar, c.sidecarVolumes = sidecar, ds.Spec.Template.Spec.Volumes
 
 	nodeA, nodeB := netnstest.NewNodes(t)
@@ -532,6 +532,13 @@ func shippedConflist(t *testing.T, stateDir string) string {
 // web pod's identity: a TokenReview of the proxy pod's token.
 func (c *cluster) caRequest(t *testing.T, r *agentRun) (*pb.IstioCertificateResponse, error) {
 	t.Helper()
+	return c.caRequestAs(t, r, c.proxyPod, "istio-ca")
+}
+
+// caRequestAs is caRequest by the mTLS agent's pod agent, presenting a
+// token of audience bound to it.
+func (c *cluster) caRequestAs(t *testing.T, r *agentRun, agent *corev1.Pod, audience string) (*pb.IstioCertificateResponse, error) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
 	defer cancel()
 	bundle, err := os.ReadFile(filepath.Join(r.stateDir, "ca", identity.RootCertFile))
@@ -555,9 +562,9 @@ func (c *cluster) caRequest(t *testing.T, r *agentRun) (*pb.IstioCertificateResp
 		return nil, err
 	}
 	defer conn.Close()
-	tr, err := c.admin.CoreV1().ServiceAccounts(ciliumNS).CreateToken(ctx, "mtlsbridge-proxy", &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
-		Audiences:      []string{"istio-ca"},
-		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: c.proxyPod.Name, UID: c.proxyPod.UID},
+	tr, err := c.admin.CoreV1().ServiceAccounts(agent.Namespace).CreateToken(ctx, agent.Spec.ServiceAccountName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences:      []string{audience},
+		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: agent.Name, UID: agent.UID},
 	}}, metav1.CreateOptions{})
 	if err != nil {
 		return nil, err

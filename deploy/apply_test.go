@@ -70,15 +70,21 @@ func (a *applier) apply(t *testing.T, obj *unstructured.Unstructured, dryRun boo
 }
 
 // TestApplyToAPIServer applies everything an operator installs (Cilium's
-// chart rendered with the shipped values, and deploy/kubernetes) to a real
-// kube-apiserver that has Cilium's CRDs, with server-side dry-run: any
-// object the API server would refuse fails the test.
+// chart rendered with each mode's values, each mode's mTLS agent, and
+// deploy/kubernetes) to a real kube-apiserver that has Cilium's CRDs, with
+// server-side dry-run: any object the API server would refuse fails the
+// test.
 func TestApplyToAPIServer(t *testing.T) {
 	cfg := kubetest.Start(t)
 	kubetest.ApplyCiliumCRDs(t, cfg)
 	a := newApplier(t, cfg)
 
-	objs := append(renderCilium(t), readManifests(t)...)
+	objs := append(renderCilium(t, l2Values), readManifests(t)...)
+	objs = append(objs, readFile(t, l2Agent)...)
+	// The in-pod mode's DaemonSet replaces the l2 one (a dry run stores
+	// nothing: both are checked).
+	objs = append(objs, renderCilium(t, inpodValues)...)
+	objs = append(objs, readFile(t, inpodAgent)...)
 	objs = append(objs, readFile(t, "optional/mtlsbridge-ca-secret-rbac.yaml")...)
 	objs = append(objs, readFile(t, "optional/mtlsbridge-mtls-agent-ingress.yaml")...)
 	objs = append(objs, readFile(t, "optional/mtlsbridge-probe-snat-ingress.yaml")...)

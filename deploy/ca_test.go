@@ -55,7 +55,7 @@ func TestCreateCASecret(t *testing.T) {
 	if v := volumeNamed(signer.Spec.Template.Spec.Volumes, "ca"); s.Namespace != signer.Namespace || v == nil || v.Secret == nil || s.Name != v.Secret.SecretName {
 		t.Errorf("Secret %s/%s, not the signer's Secret volume", s.Namespace, s.Name)
 	}
-	ds, _ := ciliumDaemonSet(t, renderCilium(t))
+	ds, _ := ciliumDaemonSet(t, renderCilium(t, l2Values))
 	if v := volumeNamed(ds.Spec.Template.Spec.Volumes, "mtlsbridge-ca-roots"); roots.Namespace != ds.Namespace || v == nil || v.ConfigMap == nil || roots.Name != v.ConfigMap.Name {
 		t.Errorf("ConfigMap %s/%s, not the sidecar's roots volume", roots.Namespace, roots.Name)
 	}

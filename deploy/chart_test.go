@@ -34,12 +34,18 @@ import (
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
-// TestCiliumChartRendersSidecar renders Cilium's chart with the shipped
-// values and checks the DaemonSet it would run: the sidecar as written, its
-// mounts on volumes that exist, the folders behind its flags on the host,
-// the identity it runs as, and its privileges.
+// TestCiliumChartRendersSidecar renders Cilium's chart with each mode's
+// shipped values and checks the DaemonSet it would run: the sidecar as
+// written, its mounts on volumes that exist, the folders behind its flags
+// on the host, the identity it runs as, and its privileges.
 func TestCiliumChartRendersSidecar(t *testing.T) {
-	objs := renderCilium(t)
+	for valuesFile, mode := range map[string]string{l2Values: "l2", inpodValues: "inpod"} {
+		t.Run(mode, func(t *testing.T) { checkRenderedSidecar(t, valuesFile, mode) })
+	}
+}
+
+func checkRenderedSidecar(t *testing.T, valuesFile, mode string) {
+	objs := renderCilium(t, valuesFile)
 	ds, c := ciliumDaemonSet(t, objs)
 	pod := ds.Spec.Template.Spec
 
@@ -82,32 +88,31 @@ func TestCiliumChartRendersSidecar(t *testing.T) {
 	// plugin, run by the container runtime on the host, reads it from the
 	// conflist.
 	fs := agentFlags(t, c, map[string]string{"HOST_IP": "192.0.2.1"})
-	host := func(flag string) string {
-		p := flagString(t, fs, flag)
-		for _, m := range c.VolumeMounts {
-			rel, err := filepath.Rel(m.MountPath, p)
-			if err != nil || strings.HasPrefix(rel, "..") {
-				continue
-			}
-			v := volumes[m.Name]
-			switch {
-			case v.HostPath != nil:
-				return path.Join(v.HostPath.Path, rel)
-			case v.Secret != nil:
-				return "secret:" + v.Secret.SecretName
-			}
-			return "volume:" + m.Name
-		}
-		return "container:" + p
+	if got := flagString(t, fs, "redirect-mode"); got != mode {
+		t.Fatalf("%s: --redirect-mode=%s, want %s", valuesFile, got, mode)
 	}
-	for flag, want := range map[string]string{
+	host := func(flag string) string { return onHost(c, pod.Volumes, flagString(t, fs, flag)) }
+	wantOnHost := map[string]string{
 		"state-dir":              "/var/run/mtlsbridge",
 		"bpf-root":               "/sys/fs/bpf/mtlsbridge",
 		"cni-conf-dir":           "/etc/cni/net.d",
 		"cni-bin-dir":            "/opt/cni/bin",
 		"ca-upstream-roots":      "volume:mtlsbridge-ca-roots",
 		"ca-upstream-token-file": "volume:mtlsbridge-signer-token",
-	} {
+	}
+	if mode == "inpod" {
+		// Where ztunnel's INPOD_UDS is (TestZtunnelWiring), and where the
+		// runtime pins the namespaces the CNI plugin reports.
+		wantOnHost["zds-socket"] = "/var/run/ztunnel/ztunnel.sock"
+		wantOnHost["netns-dir"] = "/var/run/netns"
+		// A namespace pinned after the container started must show in it.
+		for _, m := range c.VolumeMounts {
+			if m.MountPath == flagString(t, fs, "netns-dir") && (m.MountPropagation == nil || *m.MountPropagation != corev1.MountPropagationHostToContainer) {
+				t.Errorf("the pods' namespaces are mounted without HostToContainer propagation: %+v", m)
+			}
+		}
+	}
+	for flag, want := range wantOnHost {
 		if got := host(flag); got != want {
 			t.Errorf("--%s=%s is %s on the host, want %s", flag, flagString(t, fs, flag), got, want)
 		}
@@ -224,9 +229,10 @@ func TestCiliumChartRendersSidecar(t *testing.T) {
 // shipped ConfigMap already holds, last, exactly the entry the agent's
 // installer would write for the sidecar's flags. Otherwise the installer
 // would change the file, Cilium (cni.exclusive) would write it back, and
-// the two would rewrite it in turn.
+// the two would rewrite it in turn. (The in-pod values have the same
+// flags: TestInPodValuesAreL2sPlusInPod.)
 func TestCNIConfigMapMatchesAgentFlags(t *testing.T) {
-	objs := renderCilium(t)
+	objs := renderCilium(t, l2Values)
 	_, c := ciliumDaemonSet(t, objs)
 	fs := agentFlags(t, c, map[string]string{"HOST_IP": "192.0.2.1"})
 

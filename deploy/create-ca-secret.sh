@@ -15,7 +15,7 @@
 # removed on exit, and on stdout. NAMESPACE and NAME override kube-system
 # and mtlsbridge-ca (keep them in step with the Secret volume of
 # deploy/kubernetes/mtlsbridge-signer.yaml and the ConfigMap volume, NAME-roots,
-# of deploy/cilium-values.yaml).
+# of deploy/l2/cilium-values.yaml or deploy/inpod/cilium-values.yaml).
 set -euo pipefail
 
 td="${1:-cluster.local}"

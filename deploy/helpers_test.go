@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"os"
+	"path"
 	"path/filepath"
 	"regexp"
 	"sort"
@@ -33,19 +34,25 @@ import (
 )
 
 const (
-	valuesFile    = "cilium-values.yaml"
+	// The values of each mode: l2 (the default) and in-pod.
+	l2Values    = "l2/cilium-values.yaml"
+	inpodValues = "inpod/cilium-values.yaml"
+	// Each mode's mTLS agent.
+	l2Agent    = "l2/mtlsbridge-proxy.yaml"
+	inpodAgent = "inpod/ztunnel.yaml"
+	// What both modes apply.
 	manifestsDir  = "kubernetes"
 	ciliumNS      = "kube-system"
 	sidecarName   = "mtlsbridge"
 	ciliumAccount = "cilium"
 )
 
-// renderCilium renders Cilium's chart (kubetest.CiliumChart) with the
-// shipped values, as `helm upgrade cilium cilium/cilium -f
-// deploy/cilium-values.yaml` would, through Helm's Go SDK: client-only, for
-// the Kubernetes version the tests' API server runs. Schema validation of
-// the values (the chart's values.schema.json) is on.
-func renderCilium(t *testing.T) []*unstructured.Unstructured {
+// renderCilium renders Cilium's chart (kubetest.CiliumChart) with shipped
+// values (l2Values or inpodValues), as `helm upgrade cilium cilium/cilium
+// -f deploy/FILE` would, through Helm's Go SDK: client-only, for the
+// Kubernetes version the tests' API server runs. Schema validation of the
+// values (the chart's values.schema.json) is on.
+func renderCilium(t *testing.T, valuesFile string) []*unstructured.Unstructured {
 	t.Helper()
 	chrt, err := loader.Load(kubetest.CiliumChart(t))
 	must(t, err)
@@ -157,6 +164,23 @@ func ciliumDaemonSet(t *testing.T, objs []*unstructured.Unstructured) (*appsv1.D
 	}
 	t.Fatalf("the rendered Cilium DaemonSet has no %s container", sidecarName)
 	return nil, nil
+}
+
+// onHost is what a path inside container c is on the node, through its
+// mounts of volumes: a host path, "volume:NAME" for a volume of another
+// kind, or "container:PATH" when no mount holds it.
+func onHost(c *corev1.Container, volumes []corev1.Volume, p string) string {
+	for _, m := range c.VolumeMounts {
+		rel, err := filepath.Rel(m.MountPath, p)
+		if err != nil || strings.HasPrefix(rel, "..") {
+			continue
+		}
+		if v := volumeNamed(volumes, m.Name); v != nil && v.HostPath != nil {
+			return path.Join(v.HostPath.Path, rel)
+		}
+		return "volume:" + m.Name
+	}
+	return "container:" + p
 }
 
 var envRef = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)

@@ -7,18 +7,187 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
+
+	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
-// TestInPodSidecar runs the sidecar switched to the in-pod mode as README's
-// "Running a stock ztunnel with mtlsbridge" says: its flags, and the
-// capabilities NET_ADMIN and SYS_ADMIN instead of the l2 mode's BPF and
-// PERFMON. It finds the enrolled pod's namespace among the runtime's
+// TestInPodValuesAreL2sPlusInPod: the in-pod values are the l2 values with
+// exactly the differences they mark "In-pod:" (its flags, capabilities, and
+// the mounts of the pods' namespaces and the ZDS socket), so that a change
+// to one file and not the other fails here.
+func TestInPodValuesAreL2sPlusInPod(t *testing.T) {
+	type values struct {
+		ExtraContainers []corev1.Container `json:"extraContainers"`
+		ExtraVolumes    []corev1.Volume    `json:"extraVolumes"`
+		Rest            map[string]any     `json:"-"`
+	}
+	read := func(file string) values {
+		data, err := os.ReadFile(file)
+		must(t, err)
+		var v values
+		must(t, yaml.Unmarshal(data, &v))
+		must(t, yaml.Unmarshal(data, &v.Rest))
+		delete(v.Rest, "extraContainers")
+		delete(v.Rest, "extraVolumes")
+		if len(v.ExtraContainers) != 1 {
+			t.Fatalf("%s: %d extraContainers, want the sidecar alone", file, len(v.ExtraContainers))
+		}
+		return v
+	}
+	l2, inPod := read(l2Values), read(inpodValues)
+	if diff := cmp.Diff(l2.Rest, inPod.Rest); diff != "" {
+		t.Errorf("values besides the sidecar differ (-l2 +in-pod):\n%s", diff)
+	}
+
+	got := inPod.ExtraContainers[0]
+	var extraArgs []string
+	got.Args = slices.DeleteFunc(slices.Clone(got.Args), func(a string) bool {
+		mode := slices.ContainsFunc([]string{"--redirect-mode=", "--zds-socket=", "--netns-dir="}, func(p string) bool { return strings.HasPrefix(a, p) })
+		if mode {
+			extraArgs = append(extraArgs, a)
+		}
+		return mode
+	})
+	if !slices.Contains(extraArgs, "--redirect-mode=inpod") || len(extraArgs) != 3 {
+		t.Errorf("in-pod args %v: want --redirect-mode=inpod, --zds-socket and --netns-dir", extraArgs)
+	}
+	var extraMounts []string
+	got.VolumeMounts = slices.DeleteFunc(slices.Clone(got.VolumeMounts), func(m corev1.VolumeMount) bool {
+		mode := m.Name == "cilium-netns" || m.Name == "mtlsbridge-zds"
+		if mode {
+			extraMounts = append(extraMounts, m.Name)
+		}
+		return mode
+	})
+	if len(extraMounts) != 2 {
+		t.Errorf("in-pod mounts %v: want cilium-netns and mtlsbridge-zds", extraMounts)
+	}
+	if caps := capsOf(&got); !slices.Equal(caps, []string{"NET_ADMIN", "SYS_ADMIN"}) {
+		t.Errorf("in-pod capabilities %v, want NET_ADMIN and SYS_ADMIN", caps)
+	}
+	got.SecurityContext = got.SecurityContext.DeepCopy()
+	got.SecurityContext.Capabilities.Add = l2.ExtraContainers[0].SecurityContext.Capabilities.Add
+	if diff := cmp.Diff(l2.ExtraContainers[0], got); diff != "" {
+		t.Errorf("the sidecars differ beyond the in-pod mode's flags, capabilities and mounts (-l2 +in-pod):\n%s", diff)
+	}
+	volumes := slices.DeleteFunc(slices.Clone(inPod.ExtraVolumes), func(v corev1.Volume) bool { return v.Name == "mtlsbridge-zds" })
+	if diff := cmp.Diff(l2.ExtraVolumes, volumes); diff != "" || len(volumes) == len(inPod.ExtraVolumes) {
+		t.Errorf("extraVolumes differ beyond mtlsbridge-zds, which the in-pod values must add (-l2 +in-pod):\n%s", diff)
+	}
+}
+
+// TestZtunnelWiring: the shipped ztunnel DaemonSet is its node's mTLS agent
+// for the in-pod sidecar, and reaches it: the ZDS socket, xDS and CA
+// address, the roots it trusts and the token it presents are those the
+// sidecar's flags and mounts give, on the same host folders.
+func TestZtunnelWiring(t *testing.T) {
+	ds, sidecar := ciliumDaemonSet(t, renderCilium(t, inpodValues))
+	fs := agentFlags(t, sidecar, map[string]string{"HOST_IP": "$(HOST_IP)"})
+	sidecarOnHost := func(p string) string { return onHost(sidecar, ds.Spec.Template.Spec.Volumes, p) }
+
+	zt := ztunnelDaemonSet(t)
+	pod := zt.Spec.Template.Spec
+	c := &pod.Containers[0]
+	ztOnHost := func(p string) string { return onHost(c, pod.Volumes, p) }
+	env := map[string]string{}
+	for _, e := range c.Env {
+		switch {
+		case e.ValueFrom != nil && e.ValueFrom.FieldRef != nil:
+			env[e.Name] = "field:" + e.ValueFrom.FieldRef.FieldPath
+		default:
+			env[e.Name] = e.Value
+		}
+	}
+
+	// Its node's mTLS agent: labelled so, where the sidecar looks, and on
+	// the host's network, which a node still in the l2 mode never steers
+	// to (redirect's derivation passes over such pods).
+	if !pod.HostNetwork || zt.Spec.Template.Labels[tables.RedirTypeLabel] != "proxy" ||
+		!slices.Contains(strings.Split(flagString(t, fs, "mtls-agent-namespaces"), ","), zt.Namespace) {
+		t.Errorf("ztunnel: hostNetwork %v, labels %v, namespace %s; want hostNetwork, %s=proxy and a namespace of --mtls-agent-namespaces=%s",
+			pod.HostNetwork, zt.Spec.Template.Labels, zt.Namespace, tables.RedirTypeLabel, flagString(t, fs, "mtls-agent-namespaces"))
+	}
+	if !slices.ContainsFunc(pod.Tolerations, func(tol corev1.Toleration) bool { return tol.Key == "" && tol.Operator == corev1.TolerationOpExists }) {
+		t.Errorf("ztunnel tolerates %v: it must run on a node that still has mtlsbridge's readiness taint", pod.Tolerations)
+	}
+
+	// ZDS: one socket on the host.
+	if got, want := ztOnHost(env["INPOD_UDS"]), sidecarOnHost(flagString(t, fs, "zds-socket")); got != want || strings.HasPrefix(got, "container:") {
+		t.Errorf("INPOD_UDS=%s is %s on the host; the sidecar's --zds-socket is %s", env["INPOD_UDS"], got, want)
+	}
+	// xDS and certificates: the sidecar's listener, where both containers
+	// see the node's address as $(HOST_IP).
+	wantAddr := "https://" + flagString(t, fs, "grpc-listen")
+	if env["HOST_IP"] != "field:status.hostIP" || env["XDS_ADDRESS"] != wantAddr || env["CA_ADDRESS"] != wantAddr ||
+		!slices.ContainsFunc(sidecar.Env, func(e corev1.EnvVar) bool {
+			return e.Name == "HOST_IP" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.hostIP"
+		}) {
+		t.Errorf("HOST_IP %s, XDS_ADDRESS %s, CA_ADDRESS %s: want the node's address and %s (the sidecar's --grpc-listen, its HOST_IP the node's)",
+			env["HOST_IP"], env["XDS_ADDRESS"], env["CA_ADDRESS"], wantAddr)
+	}
+	bundle := path.Join(sidecarOnHost(flagString(t, fs, "state-dir")), "ca", identity.RootCertFile)
+	for _, name := range []string{"XDS_ROOT_CA", "CA_ROOT_CA"} {
+		if got := ztOnHost(env[name]); got != bundle {
+			t.Errorf("%s=%s is %s on the host, want the sidecar's bundle %s", name, env[name], got, bundle)
+		}
+	}
+	// The token ztunnel reads, of an audience the sidecar accepts (the
+	// sidecar's CA takes it: TestInPodSidecar); the node named as
+	// mtlsbridge's Workloads name it.
+	if audience := ztunnelTokenAudience(zt); audience == "" || !slices.Contains(strings.Split(flagString(t, fs, "token-audiences"), ","), audience) {
+		t.Errorf("ztunnel's token at %s has audience %q; the sidecar accepts %s", ztunnelTokenFile, audience, flagString(t, fs, "token-audiences"))
+	}
+	if env["NODE_NAME"] != "field:spec.nodeName" {
+		t.Errorf("NODE_NAME is %s, want the node's name (spec.nodeName), which Workloads carry", env["NODE_NAME"])
+	}
+}
+
+func ztunnelDaemonSet(t *testing.T) *appsv1.DaemonSet {
+	t.Helper()
+	zt := typed[appsv1.DaemonSet](t, find(t, readFile(t, inpodAgent), "DaemonSet", "ztunnel"))
+	if n := len(zt.Spec.Template.Spec.Containers); n != 1 {
+		t.Fatalf("ztunnel's pod has %d containers", n)
+	}
+	return zt
+}
+
+// ztunnelTokenFile is where ztunnel reads its token (a fixed path).
+const ztunnelTokenFile = "/var/run/secrets/tokens/istio-token"
+
+// ztunnelTokenAudience is the audience of the token the DaemonSet projects
+// at ztunnelTokenFile, or "".
+func ztunnelTokenAudience(zt *appsv1.DaemonSet) string {
+	pod := &zt.Spec.Template.Spec
+	for _, m := range pod.Containers[0].VolumeMounts {
+		if v := volumeNamed(pod.Volumes, m.Name); v != nil && v.Projected != nil && m.MountPath == path.Dir(ztunnelTokenFile) {
+			for _, src := range v.Projected.Sources {
+				if sa := src.ServiceAccountToken; sa != nil && sa.Path == path.Base(ztunnelTokenFile) {
+					return sa.Audience
+				}
+			}
+		}
+	}
+	return ""
+}
+
+// TestInPodSidecar runs the sidecar of the in-pod values, its args and
+// capabilities (NET_ADMIN and SYS_ADMIN instead of the l2 mode's BPF and
+// PERFMON), with the test's paths. It finds the enrolled pod's namespace among the runtime's
 // pinned ones (no CNI report: mtlsbridge was installed after it started),
 // writes its redirection there, and with --probe-snat (Cilium's settings
 // those of its legacy host routing) makes the node's own connections reach
@@ -44,20 +213,33 @@ func TestInPodSidecar(t *testing.T) {
 	}
 	legacyRouting := ciliumConfig(map[string]string{"kube-proxy-replacement": "true", "enable-host-legacy-routing": "true"})
 	bpfRouting := ciliumConfig(map[string]string{"kube-proxy-replacement": "true", "enable-bpf-masquerade": "true"})
+	// The last of a flag given twice holds: the test's paths, and the
+	// probe SNAT the values leave to the operator.
 	flags := func(ciliumConfig string) []string {
-		return []string{"--redirect-mode=inpod", "--zds-socket=" + filepath.Join(zdsDir, "ztunnel.sock"),
+		return []string{"--zds-socket=" + filepath.Join(zdsDir, "ztunnel.sock"),
 			"--netns-dir=" + netnsDir, "--netns-search-min-age=0s", "--probe-snat",
-			// The last of a flag given twice holds: Cilium's configuration here.
 			"--cilium-config-dir=" + ciliumConfig}
 	}
-	caps := slices.DeleteFunc(capsOf(c.sidecar), func(cp string) bool { return cp == "BPF" || cp == "PERFMON" })
-	if len(caps) != 1 {
-		t.Fatalf("the sidecar adds %v; this test expects NET_ADMIN beside BPF and PERFMON", capsOf(c.sidecar))
+	_, c.sidecar = ciliumDaemonSet(t, renderCilium(t, inpodValues))
+	// ztunnel's pod on node-a, as its DaemonSet makes it.
+	zt := ztunnelDaemonSet(t)
+	_, err = c.admin.CoreV1().ServiceAccounts(zt.Namespace).Create(t.Context(),
+		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: zt.Spec.Template.Spec.ServiceAccountName}}, metav1.CreateOptions{})
+	must(t, err)
+	ztunnel := kubetest.CreateRunningPod(t, c.admin, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "ztunnel-a", Namespace: zt.Namespace, Labels: zt.Spec.Template.Labels},
+		Spec: corev1.PodSpec{NodeName: "node-a", ServiceAccountName: zt.Spec.Template.Spec.ServiceAccountName,
+			HostNetwork: zt.Spec.Template.Spec.HostNetwork},
+	}, c.node.Addr4.String())
+	caps := capsOf(c.sidecar)
+	withoutSysAdmin := slices.DeleteFunc(slices.Clone(caps), func(cp string) bool { return cp == "SYS_ADMIN" })
+	if len(withoutSysAdmin) == len(caps) {
+		t.Fatalf("the in-pod sidecar adds %v, no SYS_ADMIN", caps)
 	}
 
 	t.Run("without SYS_ADMIN", func(t *testing.T) {
 		c.reset(t)
-		r := c.freshRun(t, caps, flags(legacyRouting)...)
+		r := c.freshRun(t, withoutSysAdmin, flags(legacyRouting)...)
 		logSays(t, r, "Cannot redirect an enrolled pod", "app/web", "operation not permitted")
 		shellSays(t, c, r, []string{"db/show", "inpod"}, "app/web", "network namespace unknown")
 		r.stop()
@@ -65,8 +247,13 @@ func TestInPodSidecar(t *testing.T) {
 
 	t.Run("with SYS_ADMIN", func(t *testing.T) {
 		c.reset(t)
-		r := c.freshRun(t, append(slices.Clone(caps), "SYS_ADMIN"), flags(legacyRouting)...)
+		r := c.freshRun(t, caps, flags(legacyRouting)...)
 		shellSays(t, c, r, []string{"db/show", "inpod"}, "app/web", "/web", "Done")
+		// The CA signs for the pod at the request of ztunnel's pod, with
+		// the token its DaemonSet projects.
+		if _, err := c.caRequestAs(t, r, ztunnel, ztunnelTokenAudience(zt)); err != nil {
+			t.Errorf("certificate for app/web, asked by %s/%s: %v", ztunnel.Namespace, ztunnel.Name, err)
+		}
 		for i, probe := range []netip.Addr{inpod.ProbeSNAT4, inpod.ProbeSNAT6} {
 			dst := netip.AddrPortFrom([]netip.Addr{c.web.IP4, c.web.IP6}[i], 8080)
 			waitFor(t, r, "the node's connection to "+dst.String()+" from the probe address", func() error {
@@ -85,7 +272,7 @@ func TestInPodSidecar(t *testing.T) {
 	// readiness probe's output says why.
 	t.Run("under BPF host routing", func(t *testing.T) {
 		c.reset(t)
-		r := c.freshRun(t, append(slices.Clone(caps), "SYS_ADMIN"), flags(bpfRouting)...)
+		r := c.freshRun(t, caps, flags(bpfRouting)...)
 		healthSays(t, c, r, `"probe-snat"`, "BPF host routing")
 		dst := netip.AddrPortFrom(c.web.IP4, 8080)
 		waitFor(t, r, "the node's connection to "+dst.String()+" redirected in the pod (refused: no ztunnel)", func() error {

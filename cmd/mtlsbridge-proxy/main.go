@@ -6,8 +6,8 @@
 // carries enrolled pods' TCP across nodes as HBONE.
 //
 // It runs in its own network namespace (the pod labelled
-// cilium.io/redir-type=proxy) and needs CAP_NET_ADMIN (capture) and
-// CAP_NET_RAW (transparent sockets). With INPOD_UDS set it runs as ztunnel
+// cilium.io/redir-type=proxy) and needs CAP_NET_ADMIN (the capture, and
+// transparent sockets, which CAP_NET_RAW also allows). With INPOD_UDS set it runs as ztunnel
 // does in its in-pod mode: it takes pods' network namespaces from the node
 // agent over ZDS and opens its listeners inside them (CAP_SYS_ADMIN too). SIGTERM or SIGINT stop it cleanly: the
 // capture is removed, and until a new proxy starts, enrolled pods' new
