@@ -92,10 +92,11 @@ check-generate:
 
 # demo is the product's main job, seen: as root, the two-node testbed in
 # network namespaces, mTLS on the wire between enrolled pods, one line per
-# flow (hack/demo-mtls.sh); without root, the agent on the demo manifests
-# and the tables it derives (hack/demo.sh).
+# flow (hack/demo-mtls.sh; MODE=inpod for the in-pod mode); without root,
+# the agent on the demo manifests and the tables it derives (hack/demo.sh).
+MODE ?= l2
 demo: build
-	@if [ "$$(id -u)" -eq 0 ]; then ./hack/demo-mtls.sh; \
+	@if [ "$$(id -u)" -eq 0 ]; then ./hack/demo-mtls.sh $(MODE); \
 	else echo "make demo: not root, so no network namespaces: the tables only"; ./hack/demo.sh $(BIN) testdata/demo; fi
 
 clean:

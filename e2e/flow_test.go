@@ -79,6 +79,8 @@ func (f *flow) path() string {
 		return "mTLS (HBONE) " + f.out["sourceIdentity"] + " -> " + f.out["destinationIdentity"]
 	case f.out != nil:
 		return "plain, through the proxy (pod's own source address)"
+	case f.in != nil:
+		return "plain, into the destination's proxy (client's own source address)"
 	}
 	return "plain, direct (not proxied)"
 }

@@ -5,6 +5,7 @@ package e2e_test
 import (
 	"crypto/tls"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/mtlsbridge/mtlsbridge/proxy"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
+	"github.com/mtlsbridge/mtlsbridge/tables"
 )
 
 // TestInPodMTLS proves the in-pod mode on the two-node testbed as TestMTLS
@@ -29,18 +31,21 @@ import (
 // and loses its redirection; a pod deleted by force keeps it.
 func TestInPodMTLS(t *testing.T) {
 	b := newBedWith(t, newFolderCluster(t), bedConfig{inPod: true})
-	runInPodChecks(t, b)
+	runInPodChecks(t, b, nil)
 }
 
-func runInPodChecks(t *testing.T, b *bed) {
+// runInPodChecks runs the checks of the in-pod mode, narrated to out when
+// it is not nil (the demo).
+func runInPodChecks(t *testing.T, b *bed, out io.Writer) {
 	p := startCheckPods(b)
 	na, nb := b.nodes[0], b.nodes[1]
+	report, note, step := narration(t, out)
 	for _, c := range []struct{ from, to *bedPod }{{p.a1, p.b1}, {p.a1, p.a2}, {p.b1, p.a1}} {
 		b.knows(c.from.node, c.from, c.to, true)
 	}
 	b.knows(na, p.a1, p.bplain, false)
 
-	t.Run("0 each enrolled pod is handed to its proxy as itself, with its redirection", func(t *testing.T) {
+	step("0 each enrolled pod is handed to its proxy as itself, with its redirection", func(t *testing.T) {
 		for _, pod := range []*bedPod{p.a1, p.a2, p.b1} {
 			if err := inPodInPlace(pod); err != nil {
 				t.Error(err)
@@ -70,11 +75,11 @@ func runInPodChecks(t *testing.T, b *bed) {
 		}
 	})
 
-	t.Run("1 enrolled to enrolled across nodes is mTLS", func(t *testing.T) {
+	step("1 enrolled to enrolled across nodes is mTLS", func(t *testing.T) {
 		for _, v6 := range []bool{false, true} {
 			for _, c := range []struct{ from, to *bedPod }{{p.a1, p.b1}, {p.b1, p.a1}} {
 				f := b.run(c.from, c.to, v6)
-				t.Log(f)
+				report(f)
 				expectMTLS(t, f)
 			}
 		}
@@ -83,27 +88,27 @@ func runInPodChecks(t *testing.T, b *bed) {
 		}
 	})
 
-	t.Run("2 plain where a side is not enrolled", func(t *testing.T) {
+	step("2 plain where a side is not enrolled", func(t *testing.T) {
 		for _, v6 := range []bool{false, true} {
 			f := b.run(p.a1, p.bplain, v6)
-			t.Log(f)
+			report(f)
 			expectPlainInPod(t, f, true, false)
 			// Plain into an enrolled pod is redirected inside it to the
 			// proxy (15006), which hands it to the pod from the client's
 			// own address.
 			f = b.run(p.aplain, p.b1, v6)
-			t.Log(f)
+			report(f)
 			expectPlainInPod(t, f, false, true)
 			f = b.run(p.aplain, p.bplain, v6)
-			t.Log(f)
+			report(f)
 			expectPlainInPod(t, f, false, false)
 		}
 	})
 
-	t.Run("3 same node stays on the node", func(t *testing.T) {
+	step("3 same node stays on the node", func(t *testing.T) {
 		for _, v6 := range []bool{false, true} {
 			f := b.run(p.a1, p.a2, v6)
-			t.Log(f)
+			report(f)
 			if f.err != nil || f.reply.server != "a2" || f.reply.remote.Addr() != p.a1.addr(v6) {
 				t.Errorf("a1 -> a2: %+v %v", f.reply, f.err)
 			}
@@ -113,7 +118,7 @@ func runInPodChecks(t *testing.T, b *bed) {
 		}
 	})
 
-	t.Run("4 clients without a mesh certificate are refused on 15008", func(t *testing.T) {
+	step("4 clients without a mesh certificate are refused on 15008", func(t *testing.T) {
 		before := nb.metric("mtlsbridge_proxy_handshake_failures_total", `direction="inbound"`)
 		other := foreignCertificate(t, "spiffe://cluster.local/ns/app/sa/aplain")
 		for _, cert := range []*tls.Certificate{other, nil} {
@@ -131,26 +136,27 @@ func runInPodChecks(t *testing.T, b *bed) {
 		})
 	})
 
-	t.Run("5 proxy killed fails closed and recovers; agent restart keeps flows", func(t *testing.T) {
+	step("5 proxy killed fails closed and recovers; agent restart keeps flows", func(t *testing.T) {
 		// The redirection is the node agent's: it stays while the proxy
 		// is down.
-		restartsFailClosed(t, b, p, "zds", func() bool { return inPodRulesPresent(t, p.a1) },
-			func(f *flow) { t.Log(f) }, func(string) {})
+		restartsFailClosed(t, b, p, "zds", func() bool { return inPodRulesPresent(t, p.a1) }, report, note)
 	})
 
-	t.Run("6 enrolled while running, then unenrolled", func(t *testing.T) {
+	step("6 enrolled while running, then unenrolled", func(t *testing.T) {
 		f := b.run(p.a3, p.b1, false)
-		t.Log(f)
+		report(f)
 		expectPlainInPod(t, f, false, true)
 		b.setEnrolled(p.a3, true)
+		note("a3 labelled " + tables.RedirTypeLabel + "=" + tables.RedirTypeWorkload)
 		b.knows(na, p.a3, p.b1, true)
 		b.eventually("a3 redirected", func() error { return na.noBypass("a3") })
 		for _, v6 := range []bool{false, true} {
 			f := b.run(p.a3, p.b1, v6)
-			t.Log(f)
+			report(f)
 			expectMTLS(t, f)
 		}
 		b.setEnrolled(p.a3, false)
+		note("a3's label removed")
 		// Until the redirection is removed a new connection may be refused
 		// (the proxy no longer serves a3), never sent in clear by it.
 		b.eventually("a3 plain again", func() error {
@@ -160,16 +166,18 @@ func runInPodChecks(t *testing.T, b *bed) {
 			}
 			return nil
 		})
+		report(f)
 		expectPlainInPod(t, f, false, true)
 		if inPodRulesPresent(t, p.a3) {
 			t.Error("a3's redirection stayed after it was unenrolled")
 		}
 	})
 
-	t.Run("7 a proxy stopped cleanly still fails closed", func(t *testing.T) {
+	step("7 a proxy stopped cleanly still fails closed", func(t *testing.T) {
 		na.stopProxy()
+		note("node-a's proxy stopped (SIGTERM)")
 		f := b.run(p.a1, p.b1, false)
-		t.Log(f)
+		report(f)
 		if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
 			t.Errorf("without a proxy, a1 -> b1: %v, payload visible %v, segments on the underlay %v", f.err, f.visible, f.plainSegments())
 		}
@@ -181,6 +189,8 @@ func runInPodChecks(t *testing.T, b *bed) {
 			r, err := sendFrom(na.ns.NS, netip.AddrPortFrom(p.a1.addr(v6), digestPort), []byte("probe"))
 			if err != nil || r.server != "a1" || r.remote.Addr() != probe {
 				t.Errorf("without a proxy, node-a -> a1: %+v %v, want a1 from %s", r, err, probe)
+			} else {
+				note(fmt.Sprintf("node-a -> a1 %s (a kubelet's probe): answered, from %s (--probe-snat)", p.a1.addr(v6), probe))
 			}
 			r, err = sendFrom(na.ns.NS, netip.AddrPortFrom(p.aplain.addr(v6), digestPort), []byte("probe"))
 			if err != nil || r.server != "aplain" || r.remote.Addr() == probe {
@@ -189,14 +199,16 @@ func runInPodChecks(t *testing.T, b *bed) {
 		}
 		na.startProxy()
 		na.waitProxyReady()
+		note("node-a's proxy started again")
 		b.knows(na, p.a1, p.b1, true)
 		f = b.run(p.a1, p.b1, false)
-		t.Log(f)
+		report(f)
 		expectMTLS(t, f)
 	})
 
-	t.Run("8 a pod deleted by force while it runs stays closed", func(t *testing.T) {
+	step("8 a pod deleted by force while it runs stays closed", func(t *testing.T) {
 		b.cluster.deletePod(p.a2)
+		note("a2 deleted by force; its sandbox runs on")
 		// The proxy is told to drop a2 (ZDS) and forgets its Workload; its
 		// redirection stays in its namespace until the namespace goes.
 		b.eventually("node-a's proxy drops a2", func() error {
@@ -217,7 +229,7 @@ func runInPodChecks(t *testing.T, b *bed) {
 		stayedClosed := func(when string) {
 			for _, v6 := range []bool{false, true} {
 				f := b.run(p.a2, p.b1, v6)
-				t.Log(f)
+				report(f)
 				if f.err == nil || f.visible || len(f.plainSegments()) > 0 {
 					t.Errorf("a2 deleted%s, a2 -> b1: %v, payload visible %v, segments on the underlay %v", when, f.err, f.visible, f.plainSegments())
 				}
@@ -232,10 +244,11 @@ func runInPodChecks(t *testing.T, b *bed) {
 		na.killAgent()
 		na.startAgent()
 		na.waitAgent()
+		note("node-a's agent restarted (SIGKILL)")
 		stayedClosed(", then node-a's agent restarted")
 	})
 
-	t.Run("9 pods no CNI report names are found", func(t *testing.T) {
+	step("9 pods no CNI report names are found", func(t *testing.T) {
 		// As on a node where mtlsbridge is installed: its pods started
 		// before the plugin was chained, the agent has no report of them
 		// (nor a first start of this boot). a1 is enrolled, a3 runs
@@ -244,6 +257,7 @@ func runInPodChecks(t *testing.T, b *bed) {
 		must(t, os.RemoveAll(filepath.Join(na.stateDir, "cni-pods")))
 		na.startAgent()
 		na.waitAgent()
+		note("node-a's agent restarted without its CNI reports, as on a first install")
 		b.eventually("a1 found and redirected", func() error { return na.noBypass("a1") })
 		b.setEnrolled(p.a3, true)
 		b.knows(na, p.a3, p.b1, true)
@@ -254,7 +268,7 @@ func runInPodChecks(t *testing.T, b *bed) {
 		for _, from := range []*bedPod{p.a1, p.a3} {
 			for _, v6 := range []bool{false, true} {
 				f := b.run(from, p.b1, v6)
-				t.Log(f)
+				report(f)
 				expectMTLS(t, f)
 			}
 		}

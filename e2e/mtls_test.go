@@ -120,14 +120,13 @@ func startCheckPods(b *bed) checkPods {
 	}
 }
 
-// runChecks runs the checks. Each flow is logged, or printed to out (the
-// demo) with the checks' names and the events between flows.
-func runChecks(t *testing.T, b *bed, out io.Writer) {
-	p := startCheckPods(b)
-	na, nb := b.nodes[0], b.nodes[1]
-	report := func(f *flow) { t.Log(f) }
-	note := func(string) {}
-	step := func(name string, fn func(t *testing.T)) { t.Run(name, fn) }
+// narration is how checks tell what they do: report logs each flow, or
+// prints it to out (the demo); note prints the events between flows and
+// step each check's name before running it as a subtest.
+func narration(t *testing.T, out io.Writer) (report func(*flow), note func(string), step func(string, func(*testing.T))) {
+	report = func(f *flow) { t.Log(f) }
+	note = func(string) {}
+	step = func(name string, fn func(t *testing.T)) { t.Run(name, fn) }
 	if out != nil {
 		report = func(f *flow) { fmt.Fprintln(out, "  "+f.String()) }
 		note = func(s string) { fmt.Fprintln(out, "  -- "+s) }
@@ -136,6 +135,15 @@ func runChecks(t *testing.T, b *bed, out io.Writer) {
 			t.Run(name, fn)
 		}
 	}
+	return report, note, step
+}
+
+// runChecks runs the checks of the l2 mode, narrated to out when it is not
+// nil (the demo).
+func runChecks(t *testing.T, b *bed, out io.Writer) {
+	p := startCheckPods(b)
+	na, nb := b.nodes[0], b.nodes[1]
+	report, note, step := narration(t, out)
 	// Every enrolled pod is redirected (CNI ADD returned), so each proxy
 	// must hear of it as HBONE, its own node's included.
 	for _, c := range []struct {

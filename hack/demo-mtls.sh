@@ -9,7 +9,8 @@
 #
 # It needs root. Without it, it says so and exits 0, so that the caller
 # can run the table demo (hack/demo.sh) instead.
-# Usage: hack/demo-mtls.sh
+# Usage: hack/demo-mtls.sh [l2|inpod]   (the node agents' --redirect-mode;
+# default l2)
 set -euo pipefail
 
 if [[ "$(id -u)" -ne 0 ]]; then
@@ -28,5 +29,5 @@ trap 'rm -rf "${work}"' EXIT
 plugins="$(./hack/cni-plugins.sh)"
 go test -c -o "${work}/e2e.test" ./e2e
 
-MTLSBRIDGE_DEMO=1 MTLSBRIDGE_CNI_PLUGINS="${plugins}" \
+MTLSBRIDGE_DEMO=1 MTLSBRIDGE_DEMO_MODE="${1:-l2}" MTLSBRIDGE_CNI_PLUGINS="${plugins}" \
 	"${work}/e2e.test" -test.run '^TestDemo$' -test.count=1 -test.timeout=5m
