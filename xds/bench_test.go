@@ -515,8 +515,43 @@ func BenchmarkXDSReconnect(b *testing.B) {
 
 // BenchmarkXDSMemory: heap per workload held by the workloads and the server
 // serving one wildcard client that holds them all (resources-B/workload:
-// the resources alone, with nothing served).
+// the resources alone, with nothing served). For mtlsbridge, the floor
+// under that: statedb-B/row, what the workloads table adds to rows built
+// beforehand (its radix trees: the uid index's and the revision index's),
+// and encoded-B/workload, the resources' mean length.
 func BenchmarkXDSMemory(b *testing.B) {
+	b.Run("statedb-floor/100000", func(b *testing.B) {
+		const n = 100_000
+		var perRow, encoded float64
+		for b.Loop() {
+			rows := make([]*workload.Workload, n)
+			total := 0
+			for i := range rows {
+				w, err := workload.New("Kubernetes", "cluster.local", benchPod(i, 0), true)
+				if err != nil {
+					b.Fatal(err)
+				}
+				rows[i], total = w, total+len(w.Resource)
+			}
+			encoded = float64(total) / n
+			perRow = heapPerWorkload(b, func() (any, func()) {
+				db := statedb.New()
+				wl, err := workload.NewTable(db)
+				if err != nil {
+					b.Fatal(err)
+				}
+				txn := db.WriteTxn(wl)
+				for _, w := range rows {
+					wl.Insert(txn, w)
+				}
+				txn.Commit()
+				return db, func() {}
+			}, n)
+			runtime.KeepAlive(rows)
+		}
+		b.ReportMetric(perRow, "statedb-B/row")
+		b.ReportMetric(encoded, "encoded-B/workload")
+	})
 	for _, be := range backends {
 		b.Run(fmt.Sprintf("%s/100000", be.name), func(b *testing.B) {
 			const n = 100_000
