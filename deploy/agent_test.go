@@ -398,13 +398,20 @@ func (c *cluster) start(t *testing.T, stateDir, cniConf, cniBin string, caps []s
 // to a file of its own, until the test ends.
 func (c *cluster) runInNode(t *testing.T, name string, argv, caps []string, user *execUser) *agentRun {
 	t.Helper()
-	spec, err := json.Marshal(execSpec{Netns: "/run/netns/" + c.node.Name, Caps: caps, User: user, Argv: argv})
+	return runIn(t, name, c.node.NS, argv, caps, user, "NODE_NAME=node-a", "HOST_IP=127.0.0.1")
+}
+
+// runIn runs argv in ns with exactly caps, as user if given, with env
+// added to the test's, logging to a file of its own, until the test ends.
+func runIn(t *testing.T, name string, ns *netnstest.NS, argv, caps []string, user *execUser, env ...string) *agentRun {
+	t.Helper()
+	spec, err := json.Marshal(execSpec{Netns: "/run/netns/" + ns.Name, Caps: caps, User: user, Argv: argv})
 	must(t, err)
 	r := &agentRun{log: filepath.Join(t.TempDir(), name+".log"), done: make(chan struct{})}
 	logFile, err := os.Create(r.log)
 	must(t, err)
 	r.cmd = exec.Command(os.Args[0])
-	r.cmd.Env = append(os.Environ(), execEnv+"="+string(spec), "NODE_NAME=node-a", "HOST_IP=127.0.0.1")
+	r.cmd.Env = append(append(os.Environ(), execEnv+"="+string(spec)), env...)
 	r.cmd.Stdout, r.cmd.Stderr = logFile, logFile
 	r.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	must(t, r.cmd.Start())

@@ -1,0 +1,139 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package deploy_test
+
+import (
+	"fmt"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	authnv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/mtlsbridge/mtlsbridge/internal/gomodule"
+	"github.com/mtlsbridge/mtlsbridge/proxy"
+)
+
+// TestReferenceAgentLeastPrivilege runs the reference mTLS agent as
+// deploy/l2/mtlsbridge-proxy.yaml does: its command, its environment as
+// the kubelet resolves it (only the paths are the test's), root with
+// exactly the capabilities it adds, in a pod of node-a, against the
+// sidecar. It becomes ready as its readiness probe asks (xDS applied, a
+// certificate for the enrolled pod from the signer, its capture in place);
+// without NET_ADMIN it cannot capture, and its log says so.
+func TestReferenceAgentLeastPrivilege(t *testing.T) {
+	c := newCluster(t)
+	bin := t.TempDir()
+	gomodule.Build(t, bin, "mtlsbridge-proxy")
+	ds := typed[appsv1.DaemonSet](t, find(t, readFile(t, l2Agent), "DaemonSet", "mtlsbridge-proxy"))
+	spec := ds.Spec.Template.Spec
+	container := &spec.Containers[0]
+	if len(container.Command) != 1 || filepath.Base(container.Command[0]) != "mtlsbridge-proxy" || len(container.Args) > 0 {
+		t.Fatalf("the DaemonSet runs %q %q, want mtlsbridge-proxy alone", container.Command, container.Args)
+	}
+	if sc := container.SecurityContext; sc.RunAsUser == nil || *sc.RunAsUser != 0 || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+		t.Fatalf("the DaemonSet's security context %+v: this test runs it as root with its added capabilities only", sc)
+	}
+
+	// The sidecar listens on the node's address (its $(HOST_IP)), which
+	// the agent's pod reaches; on a port of the test's, as the signer
+	// runs in the node's namespace here and holds the shipped one.
+	hostIP := c.node.Addr4.String()
+	shipped := strings.ReplaceAll(flagString(t, agentFlags(t, c.sidecar, map[string]string{"HOST_IP": hostIP}), "grpc-listen"), "$(HOST_IP)", hostIP)
+	listen := netip.AddrPortFrom(c.node.Addr4, 15112).String()
+	sidecar := c.freshRun(t, capsOf(c.sidecar), "--grpc-listen="+listen)
+	waitFor(t, sidecar, "the trust bundle", func() error {
+		_, err := os.Stat(filepath.Join(sidecar.stateDir, "ca", "root-cert.pem"))
+		return err
+	})
+
+	// The agent's pod: its own namespace on node-a, and in the API the pod
+	// the node's agent knows as its mTLS agent, whose token it presents.
+	pod := c.node.AddPod(t, "mtlsproxy")
+	ctx := t.Context()
+	audience := ""
+	for _, v := range spec.Volumes {
+		if v.Projected != nil && v.Projected.Sources[0].ServiceAccountToken != nil {
+			audience = v.Projected.Sources[0].ServiceAccountToken.Audience
+		}
+	}
+	tr, err := c.admin.CoreV1().ServiceAccounts(ciliumNS).CreateToken(ctx, c.proxyPod.Spec.ServiceAccountName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences:      []string{audience},
+		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: c.proxyPod.Name, UID: c.proxyPod.UID},
+	}}, metav1.CreateOptions{})
+	must(t, err)
+	token := filepath.Join(t.TempDir(), "istio-token")
+	must(t, os.WriteFile(token, []byte(tr.Status.Token), 0o400))
+
+	fields := map[string]string{
+		"metadata.name": c.proxyPod.Name, "metadata.namespace": c.proxyPod.Namespace, "spec.nodeName": "node-a",
+		"spec.serviceAccountName": c.proxyPod.Spec.ServiceAccountName, "status.hostIP": hostIP, "status.podIP": pod.IP4.String(),
+	}
+	resolved := map[string]string{}
+	env := []string{proxy.EnvAuthToken + "=" + token}
+	for _, e := range container.Env {
+		v := e.Value
+		if e.ValueFrom != nil {
+			var ok bool
+			if v, ok = fields[e.ValueFrom.FieldRef.FieldPath]; !ok {
+				t.Fatalf("env %s from %s: unknown to the test", e.Name, e.ValueFrom.FieldRef.FieldPath)
+			}
+		}
+		v = envRef.ReplaceAllStringFunc(v, func(ref string) string { return resolved[envRef.FindStringSubmatch(ref)[1]] })
+		// The bundle is mounted from the node's state folder: the test's.
+		if host := onHost(container, spec.Volumes, v); strings.HasPrefix(host, "/var/run/mtlsbridge/") {
+			v = filepath.Join(sidecar.stateDir, strings.TrimPrefix(host, "/var/run/mtlsbridge/"))
+		}
+		if e.Name == proxy.EnvXDSAddress || e.Name == proxy.EnvCAAddress {
+			if v != "https://"+shipped {
+				t.Errorf("%s=%s, not the sidecar's --grpc-listen (%s)", e.Name, v, shipped)
+			}
+			v = "https://" + listen
+		}
+		resolved[e.Name] = v
+		env = append(env, e.Name+"="+v)
+	}
+	ready := func() error {
+		url := fmt.Sprintf("http://%s%s", netip.AddrPortFrom(pod.IP4, uint16(container.ReadinessProbe.HTTPGet.Port.IntValue())), container.ReadinessProbe.HTTPGet.Path)
+		resp, err := c.node.HTTPClient(2 * time.Second).Get(url)
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("%s: %s", url, resp.Status)
+		}
+		return nil
+	}
+	argv := []string{filepath.Join(bin, "mtlsbridge-proxy")}
+
+	t.Run("with its capabilities", func(t *testing.T) {
+		r := runIn(t, "mtls-agent", pod.NS, argv, capsOf(container), nil, env...)
+		waitFor(t, r, "the mTLS agent's readiness probe", ready)
+		r.stop()
+	})
+
+	t.Run("without NET_ADMIN", func(t *testing.T) {
+		caps := slices.DeleteFunc(capsOf(container), func(cp string) bool { return cp == "NET_ADMIN" })
+		r := runIn(t, "mtls-agent", pod.NS, argv, caps, nil, env...)
+		select {
+		case <-r.done:
+		case <-time.After(waitLimit):
+			t.Fatal("the mTLS agent runs on without NET_ADMIN")
+		}
+		if log := r.logText(); !strings.Contains(log, "operation not permitted") {
+			t.Errorf("its log does not say why:\n%s", log)
+		}
+		if ready() == nil {
+			t.Error("ready without NET_ADMIN")
+		}
+	})
+}
