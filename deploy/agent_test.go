@@ -539,13 +539,6 @@ func shippedConflist(t *testing.T, stateDir string) string {
 // web pod's identity: a TokenReview of the proxy pod's token.
 func (c *cluster) caRequest(t *testing.T, r *agentRun) (*pb.IstioCertificateResponse, error) {
 	t.Helper()
-	return c.caRequestAs(t, r, c.proxyPod, "istio-ca")
-}
-
-// caRequestAs is caRequest by the mTLS agent's pod agent, presenting a
-// token of audience bound to it.
-func (c *cluster) caRequestAs(t *testing.T, r *agentRun, agent *corev1.Pod, audience string) (*pb.IstioCertificateResponse, error) {
-	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
 	defer cancel()
 	bundle, err := os.ReadFile(filepath.Join(r.stateDir, "ca", identity.RootCertFile))
@@ -569,9 +562,9 @@ func (c *cluster) caRequestAs(t *testing.T, r *agentRun, agent *corev1.Pod, audi
 		return nil, err
 	}
 	defer conn.Close()
-	tr, err := c.admin.CoreV1().ServiceAccounts(agent.Namespace).CreateToken(ctx, agent.Spec.ServiceAccountName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
-		Audiences:      []string{audience},
-		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: agent.Name, UID: agent.UID},
+	tr, err := c.admin.CoreV1().ServiceAccounts(ciliumNS).CreateToken(ctx, "mtlsbridge-proxy", &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences:      []string{"istio-ca"},
+		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: c.proxyPod.Name, UID: c.proxyPod.UID},
 	}}, metav1.CreateOptions{})
 	if err != nil {
 		return nil, err

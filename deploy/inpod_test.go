@@ -5,6 +5,7 @@ package deploy_test
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"path"
@@ -13,6 +14,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	appsv1 "k8s.io/api/apps/v1"
@@ -21,7 +23,9 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/mtlsbridge/mtlsbridge/identity"
+	"github.com/mtlsbridge/mtlsbridge/internal/gomodule"
 	"github.com/mtlsbridge/mtlsbridge/internal/kubetest"
+	"github.com/mtlsbridge/mtlsbridge/proxy"
 	"github.com/mtlsbridge/mtlsbridge/reconcilers/inpod"
 	"github.com/mtlsbridge/mtlsbridge/tables"
 )
@@ -187,14 +191,17 @@ func ztunnelTokenAudience(zt *appsv1.DaemonSet) string {
 
 // TestInPodSidecar runs the sidecar of the in-pod values, its args and
 // capabilities (NET_ADMIN and SYS_ADMIN instead of the l2 mode's BPF and
-// PERFMON), with the test's paths. It finds the enrolled pod's namespace among the runtime's
-// pinned ones (no CNI report: mtlsbridge was installed after it started),
-// writes its redirection there, and with --probe-snat (Cilium's settings
-// those of its legacy host routing) makes the node's own connections reach
-// the pod past it, with no ztunnel anywhere; under Cilium's BPF host
-// routing it SNATs nothing, and its readiness output says why. Without
-// SYS_ADMIN it cannot enter the pod's namespace: its log and the pod's
-// row say so.
+// PERFMON), with the test's paths. It finds the enrolled pod's namespace
+// among the runtime's pinned ones (no CNI report: mtlsbridge was installed
+// after it started), writes its redirection there, and with --probe-snat
+// (Cilium's settings those of its legacy host routing) makes the node's
+// own connections reach the pod past it, with no ztunnel running yet. Then
+// the reference agent runs as ztunnel's DaemonSet runs ztunnel (its
+// environment, user and capabilities, on the host's network) and takes
+// the pod over ZDS, with xDS and the pod's certificate, until its
+// readiness probe passes. Under Cilium's BPF host routing the sidecar
+// SNATs nothing, and its readiness output says why. Without SYS_ADMIN it
+// cannot enter the pod's namespace: its log and the pod's row say so.
 func TestInPodSidecar(t *testing.T) {
 	c := newCluster(t)
 	netnsDir := t.TempDir()
@@ -231,6 +238,9 @@ func TestInPodSidecar(t *testing.T) {
 		Spec: corev1.PodSpec{NodeName: "node-a", ServiceAccountName: zt.Spec.Template.Spec.ServiceAccountName,
 			HostNetwork: zt.Spec.Template.Spec.HostNetwork},
 	}, c.node.Addr4.String())
+	ztunnelToken := podToken(t, c, ztunnel, ztunnelTokenAudience(zt))
+	proxyBin := t.TempDir()
+	gomodule.Build(t, proxyBin, "mtlsbridge-proxy")
 	caps := capsOf(c.sidecar)
 	withoutSysAdmin := slices.DeleteFunc(slices.Clone(caps), func(cp string) bool { return cp == "SYS_ADMIN" })
 	if len(withoutSysAdmin) == len(caps) {
@@ -249,11 +259,6 @@ func TestInPodSidecar(t *testing.T) {
 		c.reset(t)
 		r := c.freshRun(t, caps, flags(legacyRouting)...)
 		shellSays(t, c, r, []string{"db/show", "inpod"}, "app/web", "/web", "Done")
-		// The CA signs for the pod at the request of ztunnel's pod, with
-		// the token its DaemonSet projects.
-		if _, err := c.caRequestAs(t, r, ztunnel, ztunnelTokenAudience(zt)); err != nil {
-			t.Errorf("certificate for app/web, asked by %s/%s: %v", ztunnel.Namespace, ztunnel.Name, err)
-		}
 		for i, probe := range []netip.Addr{inpod.ProbeSNAT4, inpod.ProbeSNAT6} {
 			dst := netip.AddrPortFrom([]netip.Addr{c.web.IP4, c.web.IP6}[i], 8080)
 			waitFor(t, r, "the node's connection to "+dst.String()+" from the probe address", func() error {
@@ -264,6 +269,27 @@ func TestInPodSidecar(t *testing.T) {
 				return err
 			})
 		}
+
+		// ztunnel's DaemonSet on the node, with the reference agent, which
+		// runs as ztunnel does in its in-pod mode, for ztunnel: its
+		// environment as the kubelet gives it (the test's paths), its user
+		// and capabilities, on the host's network. It takes the pod over
+		// ZDS, with xDS and the pod's certificate from the sidecar, and
+		// becomes ready.
+		ztSpec := &zt.Spec.Template.Spec
+		ztContainer := &ztSpec.Containers[0]
+		env := kubeletEnv(t, ztContainer, ztSpec.Volumes, ztunnel, c.node.Addr4, "127.0.0.1",
+			map[string]string{"/var/run/mtlsbridge": r.stateDir, "/var/run/ztunnel": zdsDir})
+		sc := ztContainer.SecurityContext
+		agent := runIn(t, "ztunnel", c.node.NS, []string{filepath.Join(proxyBin, "mtlsbridge-proxy")}, capsOf(ztContainer),
+			&execUser{UID: int(*sc.RunAsUser), GID: int(*sc.RunAsGroup)}, append(env, proxy.EnvAuthToken+"="+ztunnelToken)...)
+		shellSays(t, c, r, []string{"db/show", "zds"}, "app/web", "acked")
+		probe := ztContainer.ReadinessProbe.HTTPGet
+		waitFor(t, agent, "ztunnel's readiness probe", func() error {
+			_, err := c.getFromNode(fmt.Sprintf("http://%s%s", net.JoinHostPort(probe.Host, probe.Port.String()), probe.Path), time.Second)
+			return err
+		})
+		agent.stop()
 		r.stop()
 	})
 

@@ -58,49 +58,25 @@ func TestReferenceAgentLeastPrivilege(t *testing.T) {
 	// The agent's pod: its own namespace on node-a, and in the API the pod
 	// the node's agent knows as its mTLS agent, whose token it presents.
 	pod := c.node.AddPod(t, "mtlsproxy")
-	ctx := t.Context()
 	audience := ""
 	for _, v := range spec.Volumes {
 		if v.Projected != nil && v.Projected.Sources[0].ServiceAccountToken != nil {
 			audience = v.Projected.Sources[0].ServiceAccountToken.Audience
 		}
 	}
-	tr, err := c.admin.CoreV1().ServiceAccounts(ciliumNS).CreateToken(ctx, c.proxyPod.Spec.ServiceAccountName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
-		Audiences:      []string{audience},
-		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: c.proxyPod.Name, UID: c.proxyPod.UID},
-	}}, metav1.CreateOptions{})
-	must(t, err)
-	token := filepath.Join(t.TempDir(), "istio-token")
-	must(t, os.WriteFile(token, []byte(tr.Status.Token), 0o400))
+	token := podToken(t, c, c.proxyPod, audience)
 
-	fields := map[string]string{
-		"metadata.name": c.proxyPod.Name, "metadata.namespace": c.proxyPod.Namespace, "spec.nodeName": "node-a",
-		"spec.serviceAccountName": c.proxyPod.Spec.ServiceAccountName, "status.hostIP": hostIP, "status.podIP": pod.IP4.String(),
-	}
-	resolved := map[string]string{}
-	env := []string{proxy.EnvAuthToken + "=" + token}
-	for _, e := range container.Env {
-		v := e.Value
-		if e.ValueFrom != nil {
-			var ok bool
-			if v, ok = fields[e.ValueFrom.FieldRef.FieldPath]; !ok {
-				t.Fatalf("env %s from %s: unknown to the test", e.Name, e.ValueFrom.FieldRef.FieldPath)
-			}
-		}
-		v = envRef.ReplaceAllStringFunc(v, func(ref string) string { return resolved[envRef.FindStringSubmatch(ref)[1]] })
-		// The bundle is mounted from the node's state folder: the test's.
-		if host := onHost(container, spec.Volumes, v); strings.HasPrefix(host, "/var/run/mtlsbridge/") {
-			v = filepath.Join(sidecar.stateDir, strings.TrimPrefix(host, "/var/run/mtlsbridge/"))
-		}
-		if e.Name == proxy.EnvXDSAddress || e.Name == proxy.EnvCAAddress {
+	env := kubeletEnv(t, container, spec.Volumes, c.proxyPod, pod.IP4, hostIP, map[string]string{"/var/run/mtlsbridge": sidecar.stateDir})
+	for i, e := range env {
+		name, v, _ := strings.Cut(e, "=")
+		if name == proxy.EnvXDSAddress || name == proxy.EnvCAAddress {
 			if v != "https://"+shipped {
-				t.Errorf("%s=%s, not the sidecar's --grpc-listen (%s)", e.Name, v, shipped)
+				t.Errorf("%s=%s, not the sidecar's --grpc-listen (%s)", name, v, shipped)
 			}
-			v = "https://" + listen
+			env[i] = name + "=https://" + listen
 		}
-		resolved[e.Name] = v
-		env = append(env, e.Name+"="+v)
 	}
+	env = append(env, proxy.EnvAuthToken+"="+token)
 	ready := func() error {
 		url := fmt.Sprintf("http://%s%s", netip.AddrPortFrom(pod.IP4, uint16(container.ReadinessProbe.HTTPGet.Port.IntValue())), container.ReadinessProbe.HTTPGet.Path)
 		resp, err := c.node.HTTPClient(2 * time.Second).Get(url)
@@ -136,4 +112,52 @@ func TestReferenceAgentLeastPrivilege(t *testing.T) {
 			t.Error("ready without NET_ADMIN")
 		}
 	})
+}
+
+// kubeletEnv is container's environment as the kubelet gives it to a pod
+// (its API object pod, with address podIP on a node of address hostIP):
+// field references resolved, $(VAR) expanded; a value naming a file
+// mounted from a host folder that hostDirs maps is that file in the
+// test's folder.
+func kubeletEnv(t *testing.T, container *corev1.Container, volumes []corev1.Volume, pod *corev1.Pod, podIP netip.Addr, hostIP string, hostDirs map[string]string) []string {
+	t.Helper()
+	fields := map[string]string{
+		"metadata.name": pod.Name, "metadata.namespace": pod.Namespace, "spec.nodeName": pod.Spec.NodeName,
+		"spec.serviceAccountName": pod.Spec.ServiceAccountName, "status.hostIP": hostIP, "status.podIP": podIP.String(),
+	}
+	resolved := map[string]string{}
+	var env []string
+	for _, e := range container.Env {
+		v := e.Value
+		if e.ValueFrom != nil {
+			var ok bool
+			if v, ok = fields[e.ValueFrom.FieldRef.FieldPath]; !ok {
+				t.Fatalf("env %s from %s: unknown to the test", e.Name, e.ValueFrom.FieldRef.FieldPath)
+			}
+		}
+		v = envRef.ReplaceAllStringFunc(v, func(ref string) string { return resolved[envRef.FindStringSubmatch(ref)[1]] })
+		host := onHost(container, volumes, v)
+		for dir, testDir := range hostDirs {
+			if rel, ok := strings.CutPrefix(host, dir+"/"); ok {
+				v = filepath.Join(testDir, rel)
+			}
+		}
+		resolved[e.Name] = v
+		env = append(env, e.Name+"="+v)
+	}
+	return env
+}
+
+// podToken writes a token of pod's ServiceAccount bound to it, of
+// audience, as its projected volume holds one, and returns the file.
+func podToken(t *testing.T, c *cluster, pod *corev1.Pod, audience string) string {
+	t.Helper()
+	tr, err := c.admin.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(t.Context(), pod.Spec.ServiceAccountName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences:      []string{audience},
+		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
+	}}, metav1.CreateOptions{})
+	must(t, err)
+	file := filepath.Join(t.TempDir(), "istio-token")
+	must(t, os.WriteFile(file, []byte(tr.Status.Token), 0o400))
+	return file
 }
