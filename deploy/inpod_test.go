@@ -199,9 +199,11 @@ func ztunnelTokenAudience(zt *appsv1.DaemonSet) string {
 // the reference agent runs as ztunnel's DaemonSet runs ztunnel (its
 // environment, user and capabilities, on the host's network) and takes
 // the pod over ZDS, with xDS and the pod's certificate, until its
-// readiness probe passes. Under Cilium's BPF host routing the sidecar
-// SNATs nothing, and its readiness output says why. Without SYS_ADMIN it
-// cannot enter the pod's namespace: its log and the pod's row say so.
+// readiness probe passes. Switched from the l2 sidecar, it hands the l2
+// agent's pins over and removes them, with its own capabilities only.
+// Under Cilium's BPF host routing the sidecar SNATs nothing, and its
+// readiness output says why. Without SYS_ADMIN it cannot enter the pod's
+// namespace: its log and the pod's row say so.
 func TestInPodSidecar(t *testing.T) {
 	c := newCluster(t)
 	netnsDir := t.TempDir()
@@ -227,7 +229,9 @@ func TestInPodSidecar(t *testing.T) {
 			"--netns-dir=" + netnsDir, "--netns-search-min-age=0s", "--probe-snat",
 			"--cilium-config-dir=" + ciliumConfig}
 	}
-	_, c.sidecar = ciliumDaemonSet(t, renderCilium(t, inpodValues))
+	l2Sidecar := c.sidecar
+	_, inPodSidecar := ciliumDaemonSet(t, renderCilium(t, inpodValues))
+	c.sidecar = inPodSidecar
 	// ztunnel's pod on node-a, as its DaemonSet makes it.
 	zt := ztunnelDaemonSet(t)
 	_, err = c.admin.CoreV1().ServiceAccounts(zt.Namespace).Create(t.Context(),
@@ -241,6 +245,27 @@ func TestInPodSidecar(t *testing.T) {
 	ztunnelToken := podToken(t, c, ztunnel, ztunnelTokenAudience(zt))
 	proxyBin := t.TempDir()
 	gomodule.Build(t, proxyBin, "mtlsbridge-proxy")
+	// runZtunnel runs the reference agent, which runs as ztunnel does in
+	// its in-pod mode, as ztunnel's DaemonSet runs ztunnel: its
+	// environment as the kubelet gives it (the test's paths), its user and
+	// capabilities, on the host's network; and waits for its readiness
+	// probe (xDS applied, the local pods' certificates held).
+	runZtunnel := func(t *testing.T, sidecar *agentRun) *agentRun {
+		t.Helper()
+		spec := &zt.Spec.Template.Spec
+		container := &spec.Containers[0]
+		env := kubeletEnv(t, container, spec.Volumes, ztunnel, c.node.Addr4, "127.0.0.1",
+			map[string]string{"/var/run/mtlsbridge": sidecar.stateDir, "/var/run/ztunnel": zdsDir})
+		sc := container.SecurityContext
+		r := runIn(t, "ztunnel", c.node.NS, []string{filepath.Join(proxyBin, "mtlsbridge-proxy")}, capsOf(container),
+			&execUser{UID: int(*sc.RunAsUser), GID: int(*sc.RunAsGroup)}, append(env, proxy.EnvAuthToken+"="+ztunnelToken)...)
+		probe := container.ReadinessProbe.HTTPGet
+		waitFor(t, r, "ztunnel's readiness probe", func() error {
+			_, err := c.getFromNode(fmt.Sprintf("http://%s%s", net.JoinHostPort(probe.Host, probe.Port.String()), probe.Path), time.Second)
+			return err
+		})
+		return r
+	}
 	caps := capsOf(c.sidecar)
 	withoutSysAdmin := slices.DeleteFunc(slices.Clone(caps), func(cp string) bool { return cp == "SYS_ADMIN" })
 	if len(withoutSysAdmin) == len(caps) {
@@ -270,26 +295,38 @@ func TestInPodSidecar(t *testing.T) {
 			})
 		}
 
-		// ztunnel's DaemonSet on the node, with the reference agent, which
-		// runs as ztunnel does in its in-pod mode, for ztunnel: its
-		// environment as the kubelet gives it (the test's paths), its user
-		// and capabilities, on the host's network. It takes the pod over
-		// ZDS, with xDS and the pod's certificate from the sidecar, and
-		// becomes ready.
-		ztSpec := &zt.Spec.Template.Spec
-		ztContainer := &ztSpec.Containers[0]
-		env := kubeletEnv(t, ztContainer, ztSpec.Volumes, ztunnel, c.node.Addr4, "127.0.0.1",
-			map[string]string{"/var/run/mtlsbridge": r.stateDir, "/var/run/ztunnel": zdsDir})
-		sc := ztContainer.SecurityContext
-		agent := runIn(t, "ztunnel", c.node.NS, []string{filepath.Join(proxyBin, "mtlsbridge-proxy")}, capsOf(ztContainer),
-			&execUser{UID: int(*sc.RunAsUser), GID: int(*sc.RunAsGroup)}, append(env, proxy.EnvAuthToken+"="+ztunnelToken)...)
+		// ztunnel's DaemonSet on the node takes the pod over ZDS, with xDS
+		// and the pod's certificate from the sidecar.
+		ztunnel := runZtunnel(t, r)
 		shellSays(t, c, r, []string{"db/show", "zds"}, "app/web", "acked")
-		probe := ztContainer.ReadinessProbe.HTTPGet
-		waitFor(t, agent, "ztunnel's readiness probe", func() error {
-			_, err := c.getFromNode(fmt.Sprintf("http://%s%s", net.JoinHostPort(probe.Host, probe.Port.String()), probe.Path), time.Second)
-			return err
+		ztunnel.stop()
+		r.stop()
+	})
+
+	// A node switched from l2 as README's install says: the in-pod
+	// sidecar, with its own capabilities, hands the l2 agent's pins over
+	// and removes them once ztunnel has the pod.
+	t.Run("switched from l2", func(t *testing.T) {
+		c.reset(t)
+		c.sidecar = l2Sidecar
+		defer func() { c.sidecar = inPodSidecar }()
+		l2 := c.freshRun(t, capsOf(l2Sidecar))
+		waitFor(t, l2, "app/web redirected in the l2 mode", c.webAnnotated)
+		l2.stop()
+		if pins, _ := os.ReadDir(c.bpfRoot); len(pins) == 0 {
+			t.Fatalf("the l2 agent left nothing pinned under %s to hand over", c.bpfRoot)
+		}
+		c.sidecar = inPodSidecar
+		r := c.start(t, l2.stateDir, l2.cniConf, l2.cniBin, caps, flags(legacyRouting)...)
+		ztunnel := runZtunnel(t, r)
+		waitFor(t, r, "the l2 pins handed over and removed", func() error {
+			if pins, _ := os.ReadDir(c.bpfRoot); len(pins) > 0 {
+				return fmt.Errorf("%d pins left under %s", len(pins), c.bpfRoot)
+			}
+			return nil
 		})
-		agent.stop()
+		shellSays(t, c, r, []string{"db/show", "inpod"}, "app/web", "Done")
+		ztunnel.stop()
 		r.stop()
 	})
 
