@@ -51,14 +51,8 @@ func checkRenderedSidecar(t *testing.T, valuesFile, mode string) {
 
 	// The chart copies extraContainers verbatim: what runs is what the
 	// values say, field for field.
-	data, err := os.ReadFile(valuesFile)
-	must(t, err)
-	var values struct {
-		ExtraContainers []corev1.Container `json:"extraContainers"`
-		ExtraVolumes    []corev1.Volume    `json:"extraVolumes"`
-	}
-	must(t, yaml.Unmarshal(data, &values))
-	if len(values.ExtraContainers) != 1 || !reflect.DeepEqual(values.ExtraContainers[0], *c) {
+	values := readValues(t, valuesFile)
+	if !reflect.DeepEqual(values.ExtraContainers[0], *c) {
 		t.Errorf("the rendered sidecar differs from the values' extraContainers[0]:\nrendered %+v\nvalues   %+v", *c, values.ExtraContainers)
 	}
 

@@ -79,6 +79,44 @@ func renderCilium(t *testing.T, valuesFile string) []*unstructured.Unstructured 
 	return objs
 }
 
+// shippedValues is what the tests read of a values file: the sidecar,
+// its volumes, and every other value.
+type shippedValues struct {
+	ExtraContainers []corev1.Container `json:"extraContainers"`
+	ExtraVolumes    []corev1.Volume    `json:"extraVolumes"`
+	Rest            map[string]any     `json:"-"`
+}
+
+func readValues(t *testing.T, file string) shippedValues {
+	t.Helper()
+	data, err := os.ReadFile(file)
+	must(t, err)
+	var v shippedValues
+	must(t, yaml.Unmarshal(data, &v))
+	must(t, yaml.Unmarshal(data, &v.Rest))
+	delete(v.Rest, "extraContainers")
+	delete(v.Rest, "extraVolumes")
+	if len(v.ExtraContainers) != 1 {
+		t.Fatalf("%s: %d extraContainers, want the sidecar alone", file, len(v.ExtraContainers))
+	}
+	return v
+}
+
+// projectedToken is the audience of the ServiceAccount token a pod's
+// container finds at file, or "" if none is projected there.
+func projectedToken(spec *corev1.PodSpec, c *corev1.Container, file string) (audience string) {
+	for _, m := range c.VolumeMounts {
+		if v := volumeNamed(spec.Volumes, m.Name); v != nil && v.Projected != nil && m.MountPath == path.Dir(file) {
+			for _, src := range v.Projected.Sources {
+				if sa := src.ServiceAccountToken; sa != nil && sa.Path == path.Base(file) {
+					return sa.Audience
+				}
+			}
+		}
+	}
+	return ""
+}
+
 // readManifests parses every YAML file of deploy/kubernetes.
 func readManifests(t *testing.T) []*unstructured.Unstructured {
 	t.Helper()

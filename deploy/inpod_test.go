@@ -20,7 +20,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"sigs.k8s.io/yaml"
+	"k8s.io/klog/v2"
 
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/gomodule"
@@ -35,25 +35,7 @@ import (
 // the mounts of the pods' namespaces and the ZDS socket), so that a change
 // to one file and not the other fails here.
 func TestInPodValuesAreL2sPlusInPod(t *testing.T) {
-	type values struct {
-		ExtraContainers []corev1.Container `json:"extraContainers"`
-		ExtraVolumes    []corev1.Volume    `json:"extraVolumes"`
-		Rest            map[string]any     `json:"-"`
-	}
-	read := func(file string) values {
-		data, err := os.ReadFile(file)
-		must(t, err)
-		var v values
-		must(t, yaml.Unmarshal(data, &v))
-		must(t, yaml.Unmarshal(data, &v.Rest))
-		delete(v.Rest, "extraContainers")
-		delete(v.Rest, "extraVolumes")
-		if len(v.ExtraContainers) != 1 {
-			t.Fatalf("%s: %d extraContainers, want the sidecar alone", file, len(v.ExtraContainers))
-		}
-		return v
-	}
-	l2, inPod := read(l2Values), read(inpodValues)
+	l2, inPod := readValues(t, l2Values), readValues(t, inpodValues)
 	if diff := cmp.Diff(l2.Rest, inPod.Rest); diff != "" {
 		t.Errorf("values besides the sidecar differ (-l2 +in-pod):\n%s", diff)
 	}
@@ -126,7 +108,8 @@ func TestZtunnelWiring(t *testing.T) {
 		t.Errorf("ztunnel: hostNetwork %v, labels %v, namespace %s; want hostNetwork, %s=proxy and a namespace of --mtls-agent-namespaces=%s",
 			pod.HostNetwork, zt.Spec.Template.Labels, zt.Namespace, tables.RedirTypeLabel, flagString(t, fs, "mtls-agent-namespaces"))
 	}
-	if !slices.ContainsFunc(pod.Tolerations, func(tol corev1.Toleration) bool { return tol.Key == "" && tol.Operator == corev1.TolerationOpExists }) {
+	taint := corev1.Taint{Key: readyTaint, Effect: corev1.TaintEffectNoSchedule}
+	if !slices.ContainsFunc(pod.Tolerations, func(tol corev1.Toleration) bool { return tol.ToleratesTaint(klog.Background(), &taint, false) }) {
 		t.Errorf("ztunnel tolerates %v: it must run on a node that still has mtlsbridge's readiness taint", pod.Tolerations)
 	}
 
@@ -144,16 +127,27 @@ func TestZtunnelWiring(t *testing.T) {
 		t.Errorf("HOST_IP %s, XDS_ADDRESS %s, CA_ADDRESS %s: want the node's address and %s (the sidecar's --grpc-listen, its HOST_IP the node's)",
 			env["HOST_IP"], env["XDS_ADDRESS"], env["CA_ADDRESS"], wantAddr)
 	}
-	bundle := path.Join(sidecarOnHost(flagString(t, fs, "state-dir")), "ca", identity.RootCertFile)
+	stateDir := sidecarOnHost(flagString(t, fs, "state-dir"))
+	bundle := path.Join(stateDir, "ca", identity.RootCertFile)
 	for _, name := range []string{"XDS_ROOT_CA", "CA_ROOT_CA"} {
 		if got := ztOnHost(env[name]); got != bundle {
 			t.Errorf("%s=%s is %s on the host, want the sidecar's bundle %s", name, env[name], got, bundle)
 		}
 	}
+	// Only the bundle's folder: the state folder holds the sidecar's
+	// private socket.
+	for _, v := range pod.Volumes {
+		if v.HostPath != nil && (stateDir == v.HostPath.Path || strings.HasPrefix(stateDir, strings.TrimSuffix(v.HostPath.Path, "/")+"/")) {
+			t.Errorf("ztunnel's volume %s mounts %s, which holds the sidecar's state folder %s", v.Name, v.HostPath.Path, stateDir)
+		}
+	}
+	if env["CLUSTER_ID"] != flagString(t, fs, "cluster-id") {
+		t.Errorf("CLUSTER_ID %q, the sidecar's --cluster-id %q", env["CLUSTER_ID"], flagString(t, fs, "cluster-id"))
+	}
 	// The token ztunnel reads, of an audience the sidecar accepts (the
 	// sidecar's CA takes it: TestInPodSidecar); the node named as
 	// mtlsbridge's Workloads name it.
-	if audience := ztunnelTokenAudience(zt); audience == "" || !slices.Contains(strings.Split(flagString(t, fs, "token-audiences"), ","), audience) {
+	if audience := projectedToken(&pod, c, ztunnelTokenFile); audience == "" || !slices.Contains(strings.Split(flagString(t, fs, "token-audiences"), ","), audience) {
 		t.Errorf("ztunnel's token at %s has audience %q; the sidecar accepts %s", ztunnelTokenFile, audience, flagString(t, fs, "token-audiences"))
 	}
 	if env["NODE_NAME"] != "field:spec.nodeName" {
@@ -170,24 +164,9 @@ func ztunnelDaemonSet(t *testing.T) *appsv1.DaemonSet {
 	return zt
 }
 
-// ztunnelTokenFile is where ztunnel reads its token (a fixed path).
+// ztunnelTokenFile is where ztunnel reads its token without CA_AUTH_TOKEN
+// (the DaemonSet sets none).
 const ztunnelTokenFile = "/var/run/secrets/tokens/istio-token"
-
-// ztunnelTokenAudience is the audience of the token the DaemonSet projects
-// at ztunnelTokenFile, or "".
-func ztunnelTokenAudience(zt *appsv1.DaemonSet) string {
-	pod := &zt.Spec.Template.Spec
-	for _, m := range pod.Containers[0].VolumeMounts {
-		if v := volumeNamed(pod.Volumes, m.Name); v != nil && v.Projected != nil && m.MountPath == path.Dir(ztunnelTokenFile) {
-			for _, src := range v.Projected.Sources {
-				if sa := src.ServiceAccountToken; sa != nil && sa.Path == path.Base(ztunnelTokenFile) {
-					return sa.Audience
-				}
-			}
-		}
-	}
-	return ""
-}
 
 // TestInPodSidecar runs the sidecar of the in-pod values, its args and
 // capabilities (NET_ADMIN and SYS_ADMIN instead of the l2 mode's BPF and
@@ -242,19 +221,22 @@ func TestInPodSidecar(t *testing.T) {
 		Spec: corev1.PodSpec{NodeName: "node-a", ServiceAccountName: zt.Spec.Template.Spec.ServiceAccountName,
 			HostNetwork: zt.Spec.Template.Spec.HostNetwork},
 	}, c.node.Addr4.String())
-	ztunnelToken := podToken(t, c, ztunnel, ztunnelTokenAudience(zt))
+	ztunnelToken := podToken(t, c, ztunnel, projectedToken(&zt.Spec.Template.Spec, &zt.Spec.Template.Spec.Containers[0], ztunnelTokenFile))
 	proxyBin := t.TempDir()
 	gomodule.Build(t, proxyBin, "mtlsbridge-proxy")
 	// runZtunnel runs the reference agent, which runs as ztunnel does in
 	// its in-pod mode, as ztunnel's DaemonSet runs ztunnel: its
-	// environment as the kubelet gives it (the test's paths), its user and
-	// capabilities, on the host's network; and waits for its readiness
-	// probe (xDS applied, the local pods' certificates held).
+	// environment as the kubelet gives it (the test's paths; its token at
+	// the test's path), its user and capabilities, on the host's network
+	// (its address the node's, which is the sidecar's $(HOST_IP),
+	// 127.0.0.1, here); and waits for its readiness probe (xDS applied,
+	// the local pods' certificates held).
 	runZtunnel := func(t *testing.T, sidecar *agentRun) *agentRun {
 		t.Helper()
 		spec := &zt.Spec.Template.Spec
 		container := &spec.Containers[0]
-		env := kubeletEnv(t, container, spec.Volumes, ztunnel, c.node.Addr4, "127.0.0.1",
+		loopback := netip.MustParseAddr("127.0.0.1")
+		env := kubeletEnv(t, container, spec.Volumes, ztunnel, loopback, loopback.String(),
 			map[string]string{"/var/run/mtlsbridge": sidecar.stateDir, "/var/run/ztunnel": zdsDir})
 		sc := container.SecurityContext
 		r := runIn(t, "ztunnel", c.node.NS, []string{filepath.Join(proxyBin, "mtlsbridge-proxy")}, capsOf(container),

@@ -32,9 +32,9 @@ func TestDemo(t *testing.T) {
 	start := time.Now()
 	out := os.Stdout
 	shown := []string{"enrollments", "workloads"}
+	mode := os.Getenv(DemoModeEnv)
 	var b *bed
-	inPod := false
-	switch mode := os.Getenv(DemoModeEnv); mode {
+	switch mode {
 	case "", "l2":
 		fmt.Fprintln(out, "Two nodes (network namespaces joined by an underlay), each with the built node agent (BPF datapath,")
 		fmt.Fprintln(out, "xDS, CA) and the built mtlsbridge-proxy in its own pod; pods start through the CNI chain.")
@@ -43,15 +43,14 @@ func TestDemo(t *testing.T) {
 		fmt.Fprintln(out, "Two nodes (network namespaces joined by an underlay), each with the built node agent in the in-pod")
 		fmt.Fprintln(out, "mode (the redirection written in each enrolled pod, ZDS, xDS, CA) and the built mtlsbridge-proxy")
 		fmt.Fprintln(out, "as ztunnel runs (its listeners in each enrolled pod); pods start through the CNI chain.")
-		inPod = true
-		b = newBedWith(t, newFolderCluster(t), bedConfig{inPod: inPod})
+		b = newBedWith(t, newFolderCluster(t), bedConfig{inPod: true})
 		shown = append(shown, "inpod", "zds")
 	default:
 		t.Fatalf("%s=%s: want l2 or inpod", DemoModeEnv, mode)
 	}
 	fmt.Fprintf(out, "Testbed up in %s. Every request below sends 48 KiB carrying a marker; a capture on the underlay\n", time.Since(start).Round(time.Millisecond))
 	fmt.Fprintln(out, "looks for the marker in every segment between the nodes. Pods a*: node-a, b*: node-b.")
-	if inPod {
+	if mode == "inpod" {
 		runInPodChecks(t, b, out)
 	} else {
 		runChecks(t, b, out)
