@@ -40,28 +40,18 @@ func TestInPodValuesAreL2sPlusInPod(t *testing.T) {
 		t.Errorf("values besides the sidecar differ (-l2 +in-pod):\n%s", diff)
 	}
 
+	// What the in-pod values add; the rest must equal the l2 values'.
 	got := inPod.ExtraContainers[0]
-	var extraArgs []string
-	got.Args = slices.DeleteFunc(slices.Clone(got.Args), func(a string) bool {
-		mode := slices.ContainsFunc([]string{"--redirect-mode=", "--zds-socket=", "--netns-dir="}, func(p string) bool { return strings.HasPrefix(a, p) })
-		if mode {
-			extraArgs = append(extraArgs, a)
-		}
-		return mode
-	})
-	if !slices.Contains(extraArgs, "--redirect-mode=inpod") || len(extraArgs) != 3 {
-		t.Errorf("in-pod args %v: want --redirect-mode=inpod, --zds-socket and --netns-dir", extraArgs)
-	}
-	var extraMounts []string
+	inPodArgs := []string{"--redirect-mode=inpod", "--zds-socket=/var/run/ztunnel/ztunnel.sock", "--netns-dir=/var/run/netns"}
+	got.Args = slices.DeleteFunc(slices.Clone(got.Args), func(a string) bool { return slices.Contains(inPodArgs, a) })
 	got.VolumeMounts = slices.DeleteFunc(slices.Clone(got.VolumeMounts), func(m corev1.VolumeMount) bool {
-		mode := m.Name == "cilium-netns" || m.Name == "mtlsbridge-zds"
-		if mode {
-			extraMounts = append(extraMounts, m.Name)
-		}
-		return mode
+		return m.Name == "cilium-netns" || m.Name == "mtlsbridge-zds"
 	})
-	if len(extraMounts) != 2 {
-		t.Errorf("in-pod mounts %v: want cilium-netns and mtlsbridge-zds", extraMounts)
+	if added := len(inPod.ExtraContainers[0].Args) - len(got.Args); added != len(inPodArgs) {
+		t.Errorf("the in-pod sidecar has %d of the in-pod args %q", added, inPodArgs)
+	}
+	if added := len(inPod.ExtraContainers[0].VolumeMounts) - len(got.VolumeMounts); added != 2 {
+		t.Errorf("the in-pod sidecar has %d of the mounts cilium-netns and mtlsbridge-zds", added)
 	}
 	if caps := capsOf(&got); !slices.Equal(caps, []string{"NET_ADMIN", "SYS_ADMIN"}) {
 		t.Errorf("in-pod capabilities %v, want NET_ADMIN and SYS_ADMIN", caps)
