@@ -18,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/gomodule"
 	"github.com/mtlsbridge/mtlsbridge/proxy"
 )
@@ -51,7 +52,7 @@ func TestReferenceAgentLeastPrivilege(t *testing.T) {
 	listen := netip.AddrPortFrom(c.node.Addr4, 15112).String()
 	sidecar := c.freshRun(t, capsOf(c.sidecar), "--grpc-listen="+listen)
 	waitFor(t, sidecar, "the trust bundle", func() error {
-		_, err := os.Stat(filepath.Join(sidecar.stateDir, "ca", "root-cert.pem"))
+		_, err := os.Stat(filepath.Join(sidecar.stateDir, "ca", identity.RootCertFile))
 		return err
 	})
 
