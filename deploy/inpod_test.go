@@ -154,7 +154,7 @@ func ztunnelDaemonSet(t *testing.T) *appsv1.DaemonSet {
 	return zt
 }
 
-// ztunnelTokenFile is where ztunnel reads its token without CA_AUTH_TOKEN
+// ztunnelTokenFile is where ztunnel reads its token without AUTH_TOKEN
 // (the DaemonSet sets none).
 const ztunnelTokenFile = "/var/run/secrets/tokens/istio-token"
 
