@@ -230,19 +230,13 @@ func (c *cluster) startSigner(t *testing.T, cilium *corev1.Pod) {
 	c.secret, roots = createCAObjects(t, "cluster.local")
 	c.rootsFile = filepath.Join(t.TempDir(), "roots.pem")
 	must(t, os.WriteFile(c.rootsFile, []byte(roots.Data["roots.pem"]), 0o444))
-	audience := ""
-	for _, v := range c.sidecarVolumes {
-		if v.Name == "mtlsbridge-signer-token" {
-			audience = v.Projected.Sources[0].ServiceAccountToken.Audience
-		}
+	// The token the sidecar reads for the signer, bound to its pod.
+	tokenFile := flagString(t, agentFlags(t, c.sidecar, map[string]string{"HOST_IP": "127.0.0.1"}), "ca-upstream-token-file")
+	audience := projectedToken(c.sidecarVolumes, c.sidecar, tokenFile)
+	if audience == "" {
+		t.Fatalf("the sidecar's pod projects no token at --ca-upstream-token-file=%s", tokenFile)
 	}
-	tr, err := c.admin.CoreV1().ServiceAccounts(ciliumNS).CreateToken(ctx, ciliumAccount, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
-		Audiences:      []string{audience},
-		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: cilium.Name, UID: cilium.UID},
-	}}, metav1.CreateOptions{})
-	must(t, err)
-	c.signerToken = filepath.Join(t.TempDir(), "token")
-	must(t, os.WriteFile(c.signerToken, []byte(tr.Status.Token), 0o400))
+	c.signerToken = c.boundTokenFile(t, cilium, audience)
 
 	deployment := typed[appsv1.Deployment](t, find(t, readFile(t, "kubernetes/mtlsbridge-signer.yaml"), "Deployment", "mtlsbridge-signer"))
 	account := deployment.Spec.Template.Spec.ServiceAccountName
@@ -562,22 +556,36 @@ func (c *cluster) caRequest(t *testing.T, r *agentRun) (*pb.IstioCertificateResp
 		return nil, err
 	}
 	defer conn.Close()
-	tr, err := c.admin.CoreV1().ServiceAccounts(ciliumNS).CreateToken(ctx, "mtlsbridge-proxy", &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
-		Audiences:      []string{"istio-ca"},
-		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: c.proxyPod.Name, UID: c.proxyPod.UID},
-	}}, metav1.CreateOptions{})
-	if err != nil {
-		return nil, err
-	}
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	must(t, err)
 	id, _ := url.Parse("spiffe://cluster.local/ns/app/sa/default")
 	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{id}}, key)
 	must(t, err)
-	ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tr.Status.Token)
+	ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+c.boundToken(t, c.proxyPod, "istio-ca"))
 	return pb.NewIstioCertificateServiceClient(conn).CreateCertificate(ctx, &pb.IstioCertificateRequest{
 		Csr: string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})),
 	})
+}
+
+// boundToken is a token of pod's ServiceAccount, bound to pod, of
+// audience, as the kubelet projects one.
+func (c *cluster) boundToken(t *testing.T, pod *corev1.Pod, audience string) string {
+	t.Helper()
+	tr, err := c.admin.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(t.Context(), pod.Spec.ServiceAccountName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
+		Audiences:      []string{audience},
+		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
+	}}, metav1.CreateOptions{})
+	must(t, err)
+	return tr.Status.Token
+}
+
+// boundTokenFile is boundToken written to a file of its own, as the
+// kubelet mounts it.
+func (c *cluster) boundTokenFile(t *testing.T, pod *corev1.Pod, audience string) string {
+	t.Helper()
+	file := filepath.Join(t.TempDir(), "token")
+	must(t, os.WriteFile(file, []byte(c.boundToken(t, pod, audience)), 0o400))
+	return file
 }
 
 func (c *cluster) webAnnotated() error {

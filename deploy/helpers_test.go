@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"net/netip"
 	"os"
 	"path"
 	"path/filepath"
@@ -102,11 +103,11 @@ func readValues(t *testing.T, file string) shippedValues {
 	return v
 }
 
-// projectedToken is the audience of the ServiceAccount token a pod's
-// container finds at file, or "" if none is projected there.
-func projectedToken(spec *corev1.PodSpec, c *corev1.Container, file string) (audience string) {
+// projectedToken is the audience of the ServiceAccount token container c
+// finds at file through the pod's volumes, or "" if none is projected there.
+func projectedToken(volumes []corev1.Volume, c *corev1.Container, file string) (audience string) {
 	for _, m := range c.VolumeMounts {
-		if v := volumeNamed(spec.Volumes, m.Name); v != nil && v.Projected != nil && m.MountPath == path.Dir(file) {
+		if v := volumeNamed(volumes, m.Name); v != nil && v.Projected != nil && m.MountPath == path.Dir(file) {
 			for _, src := range v.Projected.Sources {
 				if sa := src.ServiceAccountToken; sa != nil && sa.Path == path.Base(file) {
 					return sa.Audience
@@ -222,6 +223,40 @@ func onHost(c *corev1.Container, volumes []corev1.Volume, p string) string {
 }
 
 var envRef = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
+
+// kubeletEnv is container's environment as the kubelet gives it to a pod
+// (its API object pod, with address podIP on a node of address hostIP):
+// field references resolved, $(VAR) expanded; a value naming a file
+// mounted from a host folder that hostDirs maps is that file in the
+// test's folder.
+func kubeletEnv(t *testing.T, container *corev1.Container, volumes []corev1.Volume, pod *corev1.Pod, podIP netip.Addr, hostIP string, hostDirs map[string]string) []string {
+	t.Helper()
+	fields := map[string]string{
+		"metadata.name": pod.Name, "metadata.namespace": pod.Namespace, "spec.nodeName": pod.Spec.NodeName,
+		"spec.serviceAccountName": pod.Spec.ServiceAccountName, "status.hostIP": hostIP, "status.podIP": podIP.String(),
+	}
+	resolved := map[string]string{}
+	var env []string
+	for _, e := range container.Env {
+		v := e.Value
+		if e.ValueFrom != nil {
+			var ok bool
+			if v, ok = fields[e.ValueFrom.FieldRef.FieldPath]; !ok {
+				t.Fatalf("env %s from %s: unknown to the test", e.Name, e.ValueFrom.FieldRef.FieldPath)
+			}
+		}
+		v = envRef.ReplaceAllStringFunc(v, func(ref string) string { return resolved[envRef.FindStringSubmatch(ref)[1]] })
+		host := onHost(container, volumes, v)
+		for dir, testDir := range hostDirs {
+			if rel, ok := strings.CutPrefix(host, dir+"/"); ok {
+				v = filepath.Join(testDir, rel)
+			}
+		}
+		resolved[e.Name] = v
+		env = append(env, e.Name+"="+v)
+	}
+	return env
+}
 
 // agentFlags parses the sidecar's args (after "agent") with the agent's
 // own flag set, so that a misspelt or removed flag fails here rather than

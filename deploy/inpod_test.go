@@ -137,7 +137,7 @@ func TestZtunnelWiring(t *testing.T) {
 	// The token ztunnel reads, of an audience the sidecar accepts (the
 	// sidecar's CA takes it: TestInPodSidecar); the node named as
 	// mtlsbridge's Workloads name it.
-	if audience := projectedToken(&pod, c, ztunnelTokenFile); audience == "" || !slices.Contains(strings.Split(flagString(t, fs, "token-audiences"), ","), audience) {
+	if audience := projectedToken(pod.Volumes, c, ztunnelTokenFile); audience == "" || !slices.Contains(strings.Split(flagString(t, fs, "token-audiences"), ","), audience) {
 		t.Errorf("ztunnel's token at %s has audience %q; the sidecar accepts %s", ztunnelTokenFile, audience, flagString(t, fs, "token-audiences"))
 	}
 	if env["NODE_NAME"] != "field:spec.nodeName" {
@@ -211,7 +211,7 @@ func TestInPodSidecar(t *testing.T) {
 		Spec: corev1.PodSpec{NodeName: "node-a", ServiceAccountName: zt.Spec.Template.Spec.ServiceAccountName,
 			HostNetwork: zt.Spec.Template.Spec.HostNetwork},
 	}, c.node.Addr4.String())
-	ztunnelToken := podToken(t, c, ztunnel, projectedToken(&zt.Spec.Template.Spec, &zt.Spec.Template.Spec.Containers[0], ztunnelTokenFile))
+	ztunnelToken := c.boundTokenFile(t, ztunnel, projectedToken(zt.Spec.Template.Spec.Volumes, &zt.Spec.Template.Spec.Containers[0], ztunnelTokenFile))
 	proxyBin := t.TempDir()
 	gomodule.Build(t, proxyBin, "mtlsbridge-proxy")
 	// runZtunnel runs the reference agent, which runs as ztunnel does in

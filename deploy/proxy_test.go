@@ -14,9 +14,7 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
-	authnv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mtlsbridge/mtlsbridge/identity"
 	"github.com/mtlsbridge/mtlsbridge/internal/gomodule"
@@ -60,11 +58,11 @@ func TestReferenceAgentLeastPrivilege(t *testing.T) {
 	// the node's agent knows as its mTLS agent, whose token it presents.
 	pod := c.node.AddPod(t, "mtlsproxy")
 	// Its token where the agent reads it by default, at the test's path.
-	audience := projectedToken(&spec, container, proxy.DefaultTokenPath)
+	audience := projectedToken(spec.Volumes, container, proxy.DefaultTokenPath)
 	if audience == "" {
 		t.Fatalf("the DaemonSet projects no token at %s", proxy.DefaultTokenPath)
 	}
-	token := podToken(t, c, c.proxyPod, audience)
+	token := c.boundTokenFile(t, c.proxyPod, audience)
 
 	env := kubeletEnv(t, container, spec.Volumes, c.proxyPod, pod.IP4, hostIP, map[string]string{"/var/run/mtlsbridge": sidecar.stateDir})
 	for i, e := range env {
@@ -103,52 +101,4 @@ func TestReferenceAgentLeastPrivilege(t *testing.T) {
 			t.Errorf("its log does not say why:\n%s", log)
 		}
 	})
-}
-
-// kubeletEnv is container's environment as the kubelet gives it to a pod
-// (its API object pod, with address podIP on a node of address hostIP):
-// field references resolved, $(VAR) expanded; a value naming a file
-// mounted from a host folder that hostDirs maps is that file in the
-// test's folder.
-func kubeletEnv(t *testing.T, container *corev1.Container, volumes []corev1.Volume, pod *corev1.Pod, podIP netip.Addr, hostIP string, hostDirs map[string]string) []string {
-	t.Helper()
-	fields := map[string]string{
-		"metadata.name": pod.Name, "metadata.namespace": pod.Namespace, "spec.nodeName": pod.Spec.NodeName,
-		"spec.serviceAccountName": pod.Spec.ServiceAccountName, "status.hostIP": hostIP, "status.podIP": podIP.String(),
-	}
-	resolved := map[string]string{}
-	var env []string
-	for _, e := range container.Env {
-		v := e.Value
-		if e.ValueFrom != nil {
-			var ok bool
-			if v, ok = fields[e.ValueFrom.FieldRef.FieldPath]; !ok {
-				t.Fatalf("env %s from %s: unknown to the test", e.Name, e.ValueFrom.FieldRef.FieldPath)
-			}
-		}
-		v = envRef.ReplaceAllStringFunc(v, func(ref string) string { return resolved[envRef.FindStringSubmatch(ref)[1]] })
-		host := onHost(container, volumes, v)
-		for dir, testDir := range hostDirs {
-			if rel, ok := strings.CutPrefix(host, dir+"/"); ok {
-				v = filepath.Join(testDir, rel)
-			}
-		}
-		resolved[e.Name] = v
-		env = append(env, e.Name+"="+v)
-	}
-	return env
-}
-
-// podToken writes a token of pod's ServiceAccount bound to it, of
-// audience, as its projected volume holds one, and returns the file.
-func podToken(t *testing.T, c *cluster, pod *corev1.Pod, audience string) string {
-	t.Helper()
-	tr, err := c.admin.CoreV1().ServiceAccounts(pod.Namespace).CreateToken(t.Context(), pod.Spec.ServiceAccountName, &authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{
-		Audiences:      []string{audience},
-		BoundObjectRef: &authnv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},
-	}}, metav1.CreateOptions{})
-	must(t, err)
-	file := filepath.Join(t.TempDir(), "istio-token")
-	must(t, os.WriteFile(file, []byte(tr.Status.Token), 0o400))
-	return file
 }
