@@ -259,9 +259,9 @@ func (s *probeSNAT) run(ctx context.Context, health cell.Health) error {
 	defer tick.Stop()
 	for {
 		rows, watch := s.p.Redirections.AllWatch(s.p.DB.ReadTxn())
-		ips := probeAddrs(rows)
-		if s.routing != nil {
-			ips = nil
+		var ips []netip.Addr // none under BPF host routing: the table goes
+		if s.routing == nil {
+			ips = probeAddrs(rows)
 		}
 		var again <-chan time.Time
 		// Rows change with every status update; the node is read again
